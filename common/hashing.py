@@ -1,0 +1,79 @@
+"""The one definition of KV-cache block hashes (DESIGN.md "Block hashing").
+
+The router and every worker hash prompts with these functions; if the two sides ever disagree the
+prefix-cache hit rate silently drops to zero, so `tests/common/test_hashing.py` pins golden vectors.
+
+    seed  = xxh3_64("{model_id}|{block_size}|{salt}")          as 8 bytes little-endian
+    h_0   = xxh3_64(seed  + tokens_0)                          tokens packed as uint32 LE
+    h_i   = xxh3_64(h_{i-1} as 8 bytes LE + tokens_i)
+
+Only full blocks are hashed: a prompt of n tokens has n // block_size hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+_U64_BYTES = 8
+
+
+def hash_seed(model_id: str, block_size: int, salt: str | None = None) -> int:
+    """Seed of the hash chain; per model, block size and (optional) tenant salt."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return xxhash.xxh3_64_intdigest(f"{model_id}|{block_size}|{salt or ''}".encode())
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Hash of one full block given the previous block's hash (or the seed for block 0)."""
+    data = parent_hash.to_bytes(_U64_BYTES, "little") + _pack_tokens(token_ids)
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: int,
+    parent_hash: int | None = None,
+) -> list[int]:
+    """Chain hashes of every full block of `token_ids`.
+
+    `parent_hash` continues an existing chain (the hash of the block before `token_ids[0]`);
+    `None` starts a new chain from `seed`.
+    """
+    num_full = len(token_ids) // block_size
+    if num_full == 0:
+        return []
+    packed = _pack_tokens(token_ids[: num_full * block_size])
+    step = block_size * 4
+    prev = seed if parent_hash is None else parent_hash
+    hashes: list[int] = []
+    for i in range(num_full):
+        prev = xxhash.xxh3_64_intdigest(
+            prev.to_bytes(_U64_BYTES, "little") + packed[i * step : (i + 1) * step]
+        )
+        hashes.append(prev)
+    return hashes
+
+
+class BlockHasher:
+    """Hashes prompts for one (model, block size, salt); both router and engine hold one."""
+
+    def __init__(self, model_id: str, block_size: int, salt: str | None = None) -> None:
+        self.model_id = model_id
+        self.block_size = block_size
+        self.salt = salt
+        self.seed = hash_seed(model_id, block_size, salt)
+
+    def __call__(self, token_ids: Sequence[int], parent_hash: int | None = None) -> list[int]:
+        return hash_blocks(token_ids, self.block_size, self.seed, parent_hash)
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4").tobytes()

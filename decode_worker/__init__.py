@@ -1,0 +1,1 @@
+"""The decode service (DESIGN.md "Worker <-> router API"). Filled in by the workers issue."""

@@ -1,0 +1,85 @@
+"""Paged attention over the KV cache, in plain torch (the CPU path and the CUDA fallback).
+
+A batch is a flat run of tokens: first the decode tokens (one per sequence), then each prefill
+chunk contiguously. Decode sequences are attended in one padded, masked SDPA call; prefill chunks
+one call per sequence (they are few and long).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # index of the chunk's first token in the flat batch
+    num_query_tokens: int
+    context_len: int  # tokens of this sequence in the cache after this step (cached + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys
+    v_new: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    nd = meta.num_decode_tokens
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        # [nd, max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]
+        k = kv_cache[0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        v = kv_cache[1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
+        od = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = od.squeeze(2)
+    for chunk in meta.prefills:
+        s, n, ctx = chunk.query_start, chunk.num_query_tokens, chunk.context_len
+        qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+        if ctx == n:
+            # No earlier context: attend to this step's keys directly, causal.
+            k = k_new[s : s + n].transpose(0, 1).unsqueeze(0)
+            v = v_new[s : s + n].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = kv_cache[0][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            v = kv_cache[1][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
+            v = v.transpose(0, 1).unsqueeze(0)
+            # Query i sits at absolute position ctx - n + i and sees keys 0..ctx - n + i.
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = (k_pos <= q_pos)[None, None]
+            op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s : s + n] = op.squeeze(0).transpose(0, 1)
+    return out

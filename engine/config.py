@@ -1,0 +1,149 @@
+"""Engine configuration: what the model is (`ModelConfig`, read from config.json) and how the
+engine runs it (`EngineConfig`, built once at the edge by the CLI or a service's settings)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, normalised across Llama-family configs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers >= 5 nests rope settings under rope_parameters; older configs are flat.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling["rope_type"] = rope_type
+            if rope_type == "default":
+                scaling = None
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qwen2 = model_type == "qwen2"
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 has biases on q/k/v only; Llama's attention_bias covers q/k/v/o.
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {path}")
+        cfg = json.loads(config_file.read_text())
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            gen = json.loads(gen_file.read_text())
+            if gen.get("eos_token_id") is not None:
+                cfg["eos_token_id"] = _merge_ids(cfg.get("eos_token_id"), gen["eos_token_id"])
+        return cls.from_dict(cfg)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers, at 2 bytes per value."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+def _merge_ids(a: Any, b: Any) -> list[int]:
+    out: list[int] = []
+    for x in (a, b):
+        for i in x if isinstance(x, list) else [x]:
+            if i is not None and i not in out:
+                out.append(i)
+    return out
+
+
+@dataclass
+class EngineConfig:
+    """How one engine instance runs. Built once at the edge; library code never reads env vars.
+
+    `num_blocks` wins over `kv_memory_bytes`; with neither, 1 GiB of KV cache is allocated.
+    """
+
+    model: str
+    model_id: str | None = None
+    cache_dir: Path | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    hash_salt: str | None = None
+    seed: int = 0
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -1,0 +1,70 @@
+"""Per-sequence block accounting on top of the `BlockPool`: prefix-cache lookup at admission,
+slot allocation as a sequence grows, hashing of blocks as they fill, and freeing."""
+
+from __future__ import annotations
+
+from common.hashing import BlockHasher
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, hasher: BlockHasher) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hasher = hasher
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def computed_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest prefix of `seq`, leaving at least one token to compute
+        (the last position's logits are needed to sample)."""
+        self.update_hashes(seq, seq.num_tokens - 1)
+        return self.pool.lookup(seq.block_hashes)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int]) -> bool:
+        computed = len(prefix_blocks) * self.block_size if prefix_blocks else seq.num_computed_tokens
+        needed = self.num_blocks_for(computed + num_new_tokens)
+        needed -= len(seq.block_table) + len(prefix_blocks)
+        return max(needed, 0) + self.pool.num_unreferenced(prefix_blocks) <= self.pool.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens, first adopting `prefix_blocks` (a
+        cache hit at admission). Returns False, changing nothing, when blocks are short."""
+        prefix_blocks = list(prefix_blocks)
+        if not self.can_allocate(seq, num_new_tokens, prefix_blocks):
+            return False
+        if prefix_blocks:
+            self.pool.touch(prefix_blocks)
+            seq.block_table.extend(prefix_blocks)
+            seq.num_computed_tokens = len(prefix_blocks) * self.block_size
+            seq.num_cached_tokens = seq.num_computed_tokens
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > 0:
+            seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def update_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend `seq.block_hashes` to cover the full blocks among its first `num_tokens`."""
+        have = len(seq.block_hashes)
+        want = num_tokens // self.block_size
+        if want <= have:
+            return
+        parent = seq.block_hashes[-1] if have else None
+        tokens = [seq.token_at(i) for i in range(have * self.block_size, want * self.block_size)]
+        seq.block_hashes.extend(self.hasher(tokens, parent))
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the blocks that became full (all tokens computed) to the prefix cache."""
+        self.update_hashes(seq, seq.num_computed_tokens)
+        n = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_published_blocks, n):
+            self.pool.cache_block(seq.block_table[i], seq.block_hashes[i])
+        seq.num_published_blocks = max(seq.num_published_blocks, n)
+
+    def free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_published_blocks = 0

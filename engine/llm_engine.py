@@ -1,0 +1,335 @@
+"""The synchronous engine core: requests in, one batched model step per `step()`, outputs out.
+
+Besides plain generation it offers what the disaggregated workers need:
+- `add_request(..., hold_blocks=True)`: prefill to the first token and keep the prompt's blocks
+  (for export) until `release(request_id)`;
+- `add_imported_request` / `finish_import`: allocate blocks that a KV transfer fills, then join
+  the running batch (or fall back to local prefill if the transfer failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.hashing import BlockHasher
+from engine.block_pool import BlockPool, KVEvent
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model import LlamaForCausalLM
+from engine.model_runner import ModelRunner
+from engine.model_store import resolve_model
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Logprob, Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far (given ones included)
+    new_token_ids: list[int]  # tokens produced by this step
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+    logprobs: list[Logprob] | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.folder = resolve_model(config.model, config.cache_dir)
+        self.model_config = ModelConfig.from_folder(self.folder)
+        self.model_id = config.model_id or self.folder.name
+        self.tokenizer = Tokenizer(self.folder)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.eos_token_ids = tuple(dict.fromkeys(
+            list(mc.eos_token_ids) + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        ))
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc, self.max_model_len)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        load_weights(model, self.folder)
+        model.model.rope.init_tables(self.device)
+        self.model = model.eval()
+
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or self._blocks_for_memory(config.kv_memory_bytes)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: one registrable region.
+        self.kv_cache = torch.zeros(
+            (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.hasher = BlockHasher(self.model_id, self.block_size, config.hash_salt)
+        self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
+        self.sampler = Sampler(config.seed, self.device)
+        self.requests: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # prefill-only requests keeping their blocks
+        self.importing: dict[str, Sequence] = {}
+        self.num_prompt_tokens_computed = 0
+
+    def _blocks_for_memory(self, kv_bytes: int | None) -> int:
+        mc = self.model_config
+        per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+                     * torch.tensor([], dtype=self.dtype).element_size())
+        return max(1, (kv_bytes or _DEFAULT_KV_BYTES) // per_block)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None,
+    ) -> Sequence:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        out = list(output_token_ids or [])
+        if len(out) >= params.max_tokens:
+            raise ValueError(f"{len(out)} output tokens given already reach max_tokens={params.max_tokens}")
+        if any(not (0 <= t < vocab) for t in prompt + out):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        total = len(prompt) + len(out)
+        if total >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {total} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        if self.kv.num_blocks_for(total + 1) > self.num_blocks:
+            raise ValueError(f"prompt of {total} tokens does not fit in the KV cache")
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids)
+        seq.output_token_ids = out
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.text_stream = self.tokenizer.decode_stream(params.skip_special_tokens)
+        for t in out:
+            seq.text += seq.text_stream.step(t)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        output_token_ids: list[int] | None = None,
+        hold_blocks: bool = False,
+    ) -> Sequence:
+        """Queue a request. `output_token_ids` continue an earlier stream (resume)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
+                                 output_token_ids)
+        seq.hold_blocks = hold_blocks
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int],
+    ) -> tuple[Sequence, int]:
+        """Allocate blocks for a prompt whose KV comes from elsewhere.
+
+        Returns the sequence and how many leading blocks of its `block_table` are already here
+        (prefix cache hits); the caller fills the rest, then calls `finish_import`.
+        Raises `MemoryError` when blocks are short (the caller retries or refuses).
+        """
+        if not output_token_ids:
+            raise ValueError("an imported request needs the first token from its prefill")
+        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+        # KV exists for every token but the last output one, which the next step computes.
+        prefix = self.kv.computed_prefix(seq)
+        num_needed = seq.num_tokens - 1 - len(prefix) * self.block_size
+        if not self.kv.allocate(seq, num_needed, prefix):
+            raise MemoryError("not enough free KV blocks to import the request")
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.requests[request_id] = seq
+        self.importing[request_id] = seq
+        return seq, len(prefix)
+
+    def finish_import(self, request_id: str, success: bool) -> None:
+        """The transfer filled the blocks (join the batch) or failed (prefill locally instead)."""
+        seq = self.importing.pop(request_id)
+        if success:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.kv.cache_computed_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+        else:
+            # Keep the locally cached prefix; recompute everything after it.
+            keep = seq.num_cached_tokens // self.block_size
+            self.pool.free(list(reversed(seq.block_table[keep:])))
+            seq.block_table = seq.block_table[:keep]
+            seq.num_computed_tokens = keep * self.block_size
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. Returns False for an unknown id."""
+        seq = self.requests.get(request_id) or self.held.get(request_id)
+        if seq is None:
+            return False
+        self.importing.pop(request_id, None)
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort", keep_blocks=False)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-only request was holding."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv.free(seq)
+        return True
+
+    def block_table(self, request_id: str) -> list[int]:
+        seq = self.requests.get(request_id) or self.held[request_id]
+        return list(seq.block_table)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.has_work() or self.importing)
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out:
+            return self._unschedulable()
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        logits, rows = self.runner.execute(out.scheduled)
+        self._advance(out)
+        outputs: list[RequestOutput] = []
+        if rows:
+            seqs = [r.seq for r in rows]
+            token_ids, logprobs = self.sampler(logits, seqs)
+            for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
+                outputs.append(self._append_token(seq, token_id, lp))
+        return outputs
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(seq)
+
+    def _unschedulable(self) -> list[RequestOutput]:
+        # A lone request that cannot get blocks even from an empty pool will never run.
+        s = self.scheduler
+        if s.waiting and not s.running and self.pool.num_free_blocks == self.num_blocks:
+            seq = s.waiting.popleft()
+            return [self._finish(seq, "length", keep_blocks=False)]
+        return []
+
+    def _append_token(self, seq: Sequence, token_id: int, lp: Logprob | None) -> RequestOutput:
+        seq.output_token_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if lp is not None and seq.logprobs is not None:
+            seq.logprobs.append(lp)
+        new_text = seq.text_stream.step(token_id) if seq.text_stream else ""
+        seq.text += new_text
+        reason = self._stop_reason(seq, token_id, len(new_text))
+        if reason is None:
+            return self._output(seq, [token_id])
+        self.scheduler.remove(seq)
+        return self._finish(seq, reason, keep_blocks=seq.hold_blocks, new_token_ids=[token_id])
+
+    def _stop_reason(self, seq: Sequence, token_id: int, num_new_chars: int) -> str | None:
+        p = seq.params
+        if token_id in p.stop_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if not p.ignore_eos and token_id in seq.eos_token_ids:
+            seq.stop_reason = token_id
+            return "stop"
+        if p.stop and num_new_chars:
+            # A stop string can end inside the new text but start before it.
+            longest = max(len(s) for s in p.stop)
+            start = max(0, len(seq.text) - num_new_chars - longest + 1)
+            best: tuple[int, str] | None = None
+            for s in p.stop:
+                i = seq.text.find(s, start)
+                if i != -1 and (best is None or i < best[0]):
+                    best = (i, s)
+            if best is not None:
+                seq.text = seq.text[: best[0]]
+                seq.stop_reason = best[1]
+                return "stop"
+        # max_tokens counts given tokens too: the client already holds them.
+        if len(seq.output_token_ids) >= p.max_tokens or seq.hold_blocks:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(
+        self, seq: Sequence, reason: str, keep_blocks: bool, new_token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+        if keep_blocks:
+            self.held[seq.request_id] = seq
+        elif seq.request_id in self.held:
+            self.held.pop(seq.request_id)
+            self.kv.free(seq)
+        else:
+            self.kv.free(seq)
+        return self._output(seq, new_token_ids or [])
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=new_token_ids,
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        )

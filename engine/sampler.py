@@ -1,0 +1,94 @@
+"""Turns the logits of the sampling rows into tokens: penalties, greedy or temperature sampling
+with top-k / top-p / min-p, per-request seeded generators, and top-N logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Logprob, Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        # Shared generator for requests without a seed; seeded requests carry their own.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]  # logits: [N, vocab] float32
+    ) -> tuple[list[int], list[Logprob | None]]:
+        num_rows, vocab = logits.shape
+        want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        logits = self._apply_penalties(logits, seqs)
+        greedy = [s.params.greedy for s in seqs]
+        token_ids = [0] * num_rows
+        if any(greedy):
+            rows = [i for i, g in enumerate(greedy) if g]
+            picked = logits[rows].argmax(dim=-1).tolist()
+            for r, t in zip(rows, picked, strict=True):
+                token_ids[r] = t
+        rows = [i for i, g in enumerate(greedy) if not g]
+        if rows:
+            probs = self._probs(logits[rows], [seqs[i] for i in rows])  # [len(rows), vocab]
+            for j, r in enumerate(rows):
+                gen = seqs[r].generator or self.generator
+                q = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
+                token_ids[r] = int((probs[j] / q).argmax())
+
+        logprobs: list[Logprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if not want_logprobs[i]:
+                    continue
+                n = seq.params.logprobs
+                row = raw_logprobs[i]
+                top: list[tuple[int, float]] = []
+                if n:
+                    values, ids = row.topk(n)
+                    top = list(zip(ids.tolist(), values.tolist(), strict=True))
+                logprobs[i] = Logprob(token_ids[i], float(row[token_ids[i]]), top)
+        return token_ids, logprobs
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties and s.output_token_ids]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            p = seqs[i].params
+            ids = torch.tensor(seqs[i].output_token_ids, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Temperature, then top-k / top-p / min-p filtering; returns probabilities."""
+        device = logits.device
+        temps = torch.tensor([s.params.temperature for s in seqs], device=device)
+        logits = logits / temps[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        if all(k is None for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
+            return torch.softmax(logits, dim=-1)
+        vocab = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
+        ks = torch.tensor([k or vocab for k in top_k], device=device)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # top-p: keep the smallest head whose mass reaches p (the top token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        ps = torch.tensor(top_p, device=device)
+        drop = mass_before >= ps[:, None]
+        # min-p: drop tokens below min_p times the top probability.
+        mps = torch.tensor(min_p, device=device)
+        drop |= probs < mps[:, None] * probs[:, :1]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return torch.softmax(filtered, dim=-1)

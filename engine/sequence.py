@@ -1,0 +1,73 @@
+"""One request's state inside the engine: its tokens, its blocks and how far it is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import TextStream
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, being filled by a KV transfer
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full blocks
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_preemptions: int = 0
+    # Prefill-only requests stop after their first token but keep their blocks (for export).
+    hold_blocks: bool = False
+    generator: torch.Generator | None = None
+    text_stream: TextStream | None = None
+    text: str = ""
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

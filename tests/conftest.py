@@ -1,0 +1,41 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; the CPU twin of this test runs instead")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """The model cache `make test` prepares SmolLM2 into (same default as the CLI)."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    from engine.tiny import build_tiny_random
+
+    return build_tiny_random(tmp_path_factory.mktemp("models") / "tiny-random")
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(cache_dir) -> Path:
+    from engine.model_store import prepare_smollm2
+
+    return prepare_smollm2(cache_dir=cache_dir)

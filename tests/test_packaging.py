@@ -1,0 +1,37 @@
+"""Package boundaries and the command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_router_and_common_never_import_torch():
+    code = ("import sys, router, common, common.hashing, common.protocol, common.cli; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'engine'))))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_cli_chat_runs_offline_engine(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "common.cli", "chat", "--model", "tiny-random", "--cache-dir",
+         str(tmp_path), "--num-blocks", "64", "--max-tokens", "5", "--json", "hello"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+    assert (tmp_path / "models" / "tiny-random" / "config.json").is_file()
+
+
+def test_cli_reports_unknown_model_clearly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "common.cli", "chat", "--model", "no-such-model", "--cache-dir",
+         str(tmp_path), "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "unknown model 'no-such-model'" in out.stderr
