@@ -1,0 +1,182 @@
+"""Block packing ops with a torch reference (CPU, and CUDA fallback) and CUDA kernels.
+
+    gather_blocks(cache [L, 2, NB, BS, H, D], ids [n])  -> staging [n, L, 2, BS, H, D]
+    scatter_blocks(cache, ids, staging)                  (inverse)
+    nhd_to_hnd(x [..., BS, H, D]) -> [..., H, BS, D]     and hnd_to_nhd
+    fp8_pack(x [..., BS, H, D]) -> (q uint8 same shape, scales float32 [...])  e4m3, one scale per
+                                   (BS, H, D) run = amax / 448;  fp8_unpack(q, scales, dtype)
+
+On CUDA tensors the kernels from `csrc/kv_kernels.cu` run when `libtandem_kv.so` has been built
+(`python -m kv_transfer.build`); otherwise the references run on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = 448.0
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+LIB_NAME = "libtandem_kv.so"
+
+
+# ---- torch references ------------------------------------------------------------------------
+
+def gather_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return cache_.index_select(2, block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def scatter_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    cache_.index_copy_(2, block_ids, staging.permute(1, 2, 0, 3, 4, 5))
+
+
+def nhd_to_hnd_ref(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-3, -2).contiguous()
+
+
+def hnd_to_nhd_ref(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-3, -2).contiguous()
+
+
+def fp8_pack_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    runs = x.reshape(-1, x.shape[-3] * x.shape[-2] * x.shape[-1]).float()
+    amax = runs.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (runs / scales[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return q.reshape(x.shape), scales.reshape(x.shape[:-3])
+
+
+def fp8_unpack_ref(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    runs = q.reshape(scales.numel(), -1).view(torch.float8_e4m3fn).float()
+    return (runs * scales.reshape(-1, 1)).to(dtype).reshape(q.shape)
+
+
+# ---- CUDA library ----------------------------------------------------------------------------
+
+def library_path() -> Path:
+    return Path(__file__).resolve().parent / "_lib" / LIB_NAME
+
+
+@cache
+def _lib() -> ctypes.CDLL | None:
+    path = library_path()
+    if not path.is_file():
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("could not load %s: %s", path, e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in ("tandem_gather_blocks", "tandem_scatter_blocks"):
+        getattr(lib, fn).argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.tandem_transpose.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr]
+    lib.tandem_fp8_pack.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr]
+    lib.tandem_fp8_unpack.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr]
+    return lib
+
+
+def cuda_kernels_available() -> bool:
+    return torch.cuda.is_available() and _lib() is not None
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and _lib() is not None
+
+
+def _stream(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"CUDA kernel {what} failed with error {rc}")
+
+
+def _ids(block_ids, device) -> torch.Tensor:
+    return torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+
+
+# ---- dispatching API ---------------------------------------------------------------------------
+
+def gather_blocks(cache_: torch.Tensor, block_ids, use_kernel: bool | None = None) -> torch.Tensor:
+    ids = _ids(block_ids, cache_.device)
+    if not (_use_kernel(cache_) if use_kernel is None else use_kernel):
+        return gather_blocks_ref(cache_, ids)
+    num_layers, _, num_blocks = cache_.shape[:3]
+    out = torch.empty((ids.numel(), *cache_.shape[:2], *cache_.shape[3:]), dtype=cache_.dtype,
+                      device=cache_.device)
+    run_bytes = cache_[0, 0, 0].numel() * cache_.element_size()
+    _check(_lib().tandem_gather_blocks(cache_.data_ptr(), out.data_ptr(), ids.data_ptr(), ids.numel(),
+                                       num_layers, num_blocks, run_bytes, _stream(cache_)), "gather")
+    return out
+
+
+def scatter_blocks(cache_: torch.Tensor, block_ids, staging: torch.Tensor,
+                   use_kernel: bool | None = None) -> None:
+    ids = _ids(block_ids, cache_.device)
+    if staging.shape[0] != ids.numel():
+        raise ValueError(f"staging holds {staging.shape[0]} blocks, {ids.numel()} ids given")
+    if not (_use_kernel(cache_) if use_kernel is None else use_kernel):
+        scatter_blocks_ref(cache_, ids, staging)
+        return
+    num_layers, _, num_blocks = cache_.shape[:3]
+    staging = staging.contiguous()
+    run_bytes = cache_[0, 0, 0].numel() * cache_.element_size()
+    _check(_lib().tandem_scatter_blocks(cache_.data_ptr(), staging.data_ptr(), ids.data_ptr(),
+                                        ids.numel(), num_layers, num_blocks, run_bytes,
+                                        _stream(cache_)), "scatter")
+
+
+def _transpose(x: torch.Tensor, nhd_to_hnd: bool) -> torch.Tensor:
+    x = x.contiguous()
+    t, h, d = x.shape[-3:] if nhd_to_hnd else (x.shape[-2], x.shape[-3], x.shape[-1])
+    out_shape = (*x.shape[:-3], h, t, d) if nhd_to_hnd else (*x.shape[:-3], t, h, d)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    runs = x.numel() // (t * h * d)
+    _check(_lib().tandem_transpose(x.data_ptr(), out.data_ptr(), runs, t, h, d, x.element_size(),
+                                   int(nhd_to_hnd), _stream(x)), "transpose")
+    return out
+
+
+def nhd_to_hnd(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+    if not (_use_kernel(x) if use_kernel is None else use_kernel):
+        return nhd_to_hnd_ref(x)
+    return _transpose(x, True)
+
+
+def hnd_to_nhd(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+    if not (_use_kernel(x) if use_kernel is None else use_kernel):
+        return hnd_to_nhd_ref(x)
+    return _transpose(x, False)
+
+
+def fp8_pack(x: torch.Tensor, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (_use_kernel(x) if use_kernel is None else use_kernel):
+        return fp8_pack_ref(x)
+    x = x.contiguous()
+    run_elems = x.shape[-3] * x.shape[-2] * x.shape[-1]
+    runs = x.numel() // run_elems
+    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.shape[:-3], dtype=torch.float32, device=x.device)
+    _check(_lib().tandem_fp8_pack(x.data_ptr(), q.data_ptr(), scales.data_ptr(), runs, run_elems,
+                                  _DTYPE_CODES[x.dtype], _stream(x)), "fp8_pack")
+    return q, scales
+
+
+def fp8_unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+               use_kernel: bool | None = None) -> torch.Tensor:
+    if not (_use_kernel(q) if use_kernel is None else use_kernel):
+        return fp8_unpack_ref(q, scales, dtype)
+    q, scales = q.contiguous(), scales.contiguous().float()
+    runs = scales.numel()
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    _check(_lib().tandem_fp8_unpack(q.data_ptr(), scales.data_ptr(), out.data_ptr(), runs,
+                                    q.numel() // runs, _DTYPE_CODES[dtype], _stream(q)), "fp8_unpack")
+    return out

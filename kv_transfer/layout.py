@@ -1,0 +1,88 @@
+"""`KVLayout`: what both ends of a transfer must agree on about the paged KV cache.
+
+The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so the
+K (or V) half of block `b` in layer `l` is one contiguous run of `run_bytes` at
+`((l * 2 + kv) * num_blocks + b) * run_bytes` from the region's start.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+_COMPARED = ("model_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
+
+
+class LayoutMismatch(ValueError):
+    """The peer's KV cache is laid out differently; nothing may be copied."""
+
+
+class KVLayout(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    order: Literal["layer_kv_block_nhd"] = "layer_kv_block_nhd"
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+        num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if two != 2 or not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be a contiguous [L, 2, NB, BS, H, D] tensor")
+        return cls(model_id=model_id, dtype=str(kv_cache.dtype).removeprefix("torch."),
+                   num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, num_blocks=num_blocks)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of the K (or V) half of one block in one layer: one descriptor's length."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        return 2 * self.run_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.bytes_per_block_per_layer
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def run_offset(self, layer: int, kv: int, block_id: int) -> int:
+        return ((layer * 2 + kv) * self.num_blocks + block_id) * self.run_bytes
+
+    def differences(self, other: KVLayout) -> list[str]:
+        """Human-readable list of the fields that make `other` incompatible (block count may differ)."""
+        return [f"{f}: {getattr(self, f)!r} here vs {getattr(other, f)!r} at the peer"
+                for f in _COMPARED if getattr(self, f) != getattr(other, f)]
+
+    def check_compatible(self, other: KVLayout) -> None:
+        diffs = self.differences(other)
+        if diffs:
+            raise LayoutMismatch("KV layouts differ: " + "; ".join(diffs))
+
+    def check_block_ids(self, block_ids: list[int], side: str) -> None:
+        """Refuse ids outside [0, num_blocks) before any memory is touched."""
+        bad = [b for b in block_ids if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
+        if bad:
+            raise BlockRangeError(
+                f"{side} block ids out of range [0, {self.num_blocks}): {bad[:5]}"
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            )
+
+
+class BlockRangeError(ValueError):
+    """A block id from a peer (or for a peer) lies outside the registered region."""

@@ -1,0 +1,214 @@
+"""NIXL transport: the whole KV cache is registered once; the receiver READs descriptor lists
+straight out of the sender's registered region, with a notification that carries the request
+id. UCX underneath picks RDMA, shared memory (cma) or TCP by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import importlib
+import logging
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from kv_transfer.descriptors import coalesce, descriptor_arrays
+from kv_transfer.layout import KVLayout
+from kv_transfer.transport import (
+    PeerMetadata,
+    PullStats,
+    TransferError,
+    TransferTimeout,
+    TransportConfig,
+)
+
+log = logging.getLogger(__name__)
+
+_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+_NOTIF_PREFIX = b"tandem:done:"
+
+
+def _import_nixl():
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "nixl_agent"):
+            return mod
+    return None
+
+
+def nixl_available() -> bool:
+    return _import_nixl() is not None
+
+
+def ucx_read_transport(log_file: str | Path) -> str | None:
+    """The UCX transport chosen for remote reads, from a UCX_PROTO_INFO log (e.g. 'cma', 'tcp')."""
+    paths = sorted(Path(log_file).parent.glob(Path(log_file).name + "*"))
+    found = None
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if "remote memory read by ucp_get" not in line:
+                continue
+            for row in lines[i + 1 : i + 12]:
+                m = re.search(r"\|\s*\S+\s*\|\s*[^|]+\|\s*([A-Za-z0-9_]+)/", row)
+                if m:
+                    found = m.group(1)
+                    break
+    return found
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.config = config
+        self._agent = None
+        self._reg = None
+        self._peers: dict[str, str] = {}  # engine id -> NIXL agent name
+        self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
+        self._label = "ucx"
+
+    async def start(self) -> None:
+        nixl = _import_nixl()
+        if nixl is None:
+            raise TransferError("NIXL is not installed (pip install nixl-cu12)")
+        cfg = nixl.nixl_agent_config(backends=["UCX"])
+        self._agent = nixl.nixl_agent(self.config.engine_id, cfg)
+        if "UCX" not in self._agent.backends:
+            raise TransferError("NIXL has no UCX backend")
+        self._reg = self._agent.register_memory(self.kv_cache)
+        log.info("nixl: registered %.1f MiB of %s KV cache as agent %s",
+                 self.layout.region_bytes / 2**20, self._mem_type, self.config.engine_id)
+
+    async def close(self) -> None:
+        if self._agent is not None:
+            for agent_name in self._peers.values():
+                try:
+                    self._agent.remove_remote_agent(agent_name)
+                except Exception:  # noqa: BLE001 - peer may be gone already
+                    pass
+            if self._reg is not None:
+                self._agent.deregister_memory(self._reg)
+            self._agent = None
+            self._peers.clear()
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    def metadata(self) -> PeerMetadata:
+        assert self._agent is not None, "start() first"
+        md = self._agent.get_agent_metadata()
+        return PeerMetadata(
+            engine_id=self.config.engine_id,
+            transport=self.name,
+            layout=self.layout,
+            params={
+                "agent_metadata": base64.b64encode(md).decode(),
+                "base_address": self.kv_cache.data_ptr(),
+                "mem_type": self._mem_type,
+                "device_id": self._device_id,
+            },
+        )
+
+    def set_export_check(self, check) -> None:
+        # One-sided READs never reach the sender's code; receivers bounds-check instead and
+        # NIXL refuses addresses outside the registered region.
+        pass
+
+    def _agent_for(self, peer: PeerMetadata) -> str:
+        name = self._peers.get(peer.engine_id)
+        if name is None:
+            md = base64.b64decode(peer.params["agent_metadata"])
+            loaded = self._agent.add_remote_agent(md)
+            name = loaded.decode() if isinstance(loaded, bytes) else loaded
+            self._peers[peer.engine_id] = name
+        return name
+
+    def forget_peer(self, engine_id: str) -> None:
+        name = self._peers.pop(engine_id, None)
+        if name is not None and self._agent is not None:
+            self._agent.remove_remote_agent(name)
+
+    async def pull(
+        self,
+        peer: PeerMetadata,
+        request_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+    ) -> PullStats:
+        assert self._agent is not None, "start() first"
+        t0 = time.perf_counter()
+        runs = coalesce(remote_block_ids, local_block_ids)
+        src, dst = descriptor_arrays(
+            self.layout, int(peer.params["base_address"]), self.kv_cache.data_ptr(), runs,
+            peer.layout.num_blocks, self.layout.num_blocks,
+        )
+        src[:, 2] = int(peer.params.get("device_id", 0))
+        dst[:, 2] = self._device_id
+        agent_name = self._agent_for(peer)
+        notif = _NOTIF_PREFIX + request_id.encode()
+        handle = None
+        try:
+            remote = self._agent.get_xfer_descs(src, peer.params["mem_type"])
+            local = self._agent.get_xfer_descs(dst, self._mem_type)
+            handle = self._agent.initialize_xfer("READ", local, remote, agent_name, notif)
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + self.config.pull_timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"NIXL read of {len(remote_block_ids)} blocks from {peer.engine_id} "
+                        f"timed out after {self.config.pull_timeout_s} s")
+                await asyncio.sleep(self.config.poll_interval_s)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"NIXL read from {peer.engine_id} failed (state {state})")
+        except TransferError:
+            self.forget_peer(peer.engine_id)
+            raise
+        except Exception as e:  # nixl raises its own exception types
+            self.forget_peer(peer.engine_id)
+            raise TransferError(f"NIXL read from {peer.engine_id} failed: {e}") from e
+        finally:
+            if handle is not None:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - releasing a failed request may fail too
+                    pass
+        self._refresh_label()
+        return PullStats(
+            num_blocks=len(remote_block_ids),
+            num_bytes=len(remote_block_ids) * self.layout.bytes_per_block,
+            seconds=time.perf_counter() - t0,
+            num_descriptors=len(src),
+            transport_label=self._label,
+        )
+
+    def _refresh_label(self) -> None:
+        if self._label == "ucx" and self.config.ucx_proto_log:
+            # UCX writes its log through stdio; flush every C stream of this process first.
+            ctypes.CDLL(None).fflush(None)
+            chosen = ucx_read_transport(self.config.ucx_proto_log)
+            if chosen:
+                self._label = f"ucx:{chosen}"
+                log.info("nixl: UCX chose %s for remote reads", chosen)
+
+    def completed(self) -> list[str]:
+        if self._agent is None:
+            return []
+        done: list[str] = []
+        for messages in self._agent.get_new_notifs().values():
+            for msg in messages:
+                if msg.startswith(_NOTIF_PREFIX):
+                    done.append(msg[len(_NOTIF_PREFIX):].decode())
+        return done

@@ -1,0 +1,116 @@
+"""The `Transport` plug-in point: how block bytes move between two registered KV caches.
+
+A transport is built over one engine's KV cache. The receiving side calls `pull`, which copies
+the peer's `remote_block_ids` into the local `local_block_ids` and then tells the peer it is done;
+the sending side learns of those completions from `completed()`. Implementations are listed in
+`TRANSPORTS` (name -> class); all share the constructor signature below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from pydantic import BaseModel
+
+from kv_transfer.layout import KVLayout
+
+
+class TransferError(RuntimeError):
+    """A pull failed; the receiving side falls back to computing the KV itself."""
+
+
+class TransferTimeout(TransferError):
+    pass
+
+
+class PeerMetadata(BaseModel):
+    """What a worker serves at `GET /kv/metadata`: enough for a peer to pull from it."""
+
+    engine_id: str
+    transport: str
+    layout: KVLayout
+    params: dict[str, Any]
+
+
+@dataclass
+class TransportConfig:
+    engine_id: str
+    token: str | None = None  # internal bearer token; required from peers when set
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # the address peers use (defaults to listen_host)
+    port: int = 0  # tcp transport's data port (0 = pick a free one)
+    pull_timeout_s: float = 10.0
+    poll_interval_s: float = 0.0005
+    chunk_bytes: int = 16 << 20
+    ucx_proto_log: str | None = None  # a UCX_LOG_FILE written with UCX_PROTO_INFO=y, if any
+
+
+@dataclass
+class PullStats:
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    num_descriptors: int = 0
+    transport_label: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    name: str
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None: ...
+
+    async def start(self) -> None:
+        """Register memory / open listeners."""
+
+    async def close(self) -> None: ...
+
+    def metadata(self) -> PeerMetadata:
+        """This side's metadata document (served at GET /kv/metadata)."""
+
+    def set_export_check(self, check) -> None:
+        """Sender side: `check(request_id, block_ids)` raises if a peer asks for blocks the
+        request does not hold under a lease (transports that see the request enforce it)."""
+
+    async def pull(
+        self,
+        peer: PeerMetadata,
+        request_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+    ) -> PullStats:
+        """Copy blocks from the peer, then notify it with `request_id`. Raises TransferError."""
+
+    def completed(self) -> list[str]:
+        """Sender side: request ids whose receivers have notified since the last call."""
+
+    @property
+    def label(self) -> str:
+        """Which wire it runs on (e.g. 'ucx:cma', 'ucx:tcp', 'tcp'), for logs and metrics."""
+
+
+def transport_names() -> list[str]:
+    return list(_registry())
+
+
+def get_transport_class(name: str) -> type:
+    table = _registry()
+    if name not in table:
+        raise ValueError(f"unknown KV transport {name!r}; choose from {', '.join(table)}")
+    return table[name]
+
+
+def default_transport_name() -> str:
+    """`nixl` where the NIXL package imports, else `tcp`."""
+    from kv_transfer.nixl_transport import nixl_available
+
+    return "nixl" if nixl_available() else "tcp"
+
+
+def _registry() -> dict[str, type]:
+    from kv_transfer.nixl_transport import NixlTransport
+    from kv_transfer.tcp_transport import TcpTransport
+
+    return {"nixl": NixlTransport, "tcp": TcpTransport}
