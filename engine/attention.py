@@ -23,7 +23,8 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    slot_blocks: torch.Tensor  # [num_tokens] int64, the block each new token's KV goes to
+    slot_offsets: torch.Tensor  # [num_tokens] int64, its position inside that block
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
@@ -32,19 +33,18 @@ class AttentionMetadata:
 
 
 def write_kv(
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    meta: AttentionMetadata,
 ) -> None:
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    kv_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
+    kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
     meta: AttentionMetadata,
     scale: float,
     k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys
@@ -56,8 +56,8 @@ def paged_attention(
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         # [nd, max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]
-        k = kv_cache[0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        v = kv_cache[1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        k = kv_cache[:, 0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        v = kv_cache[:, 1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
         od = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -72,8 +72,8 @@ def paged_attention(
             v = v_new[s : s + n].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k = kv_cache[0][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            v = kv_cache[1][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            k = kv_cache[:, 0][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            v = kv_cache[:, 1][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
             v = v.transpose(0, 1).unsqueeze(0)
             # Query i sits at absolute position ctx - n + i and sees keys 0..ctx - n + i.

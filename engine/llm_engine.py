@@ -78,9 +78,11 @@ class LLMEngine:
 
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or self._blocks_for_memory(config.kv_memory_bytes)
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: one registrable region.
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one registrable
+        # region in which each block (all layers, K and V) is one contiguous run, so moving a
+        # block to another worker is one descriptor (see kv_transfer/layout.py).
         self.kv_cache = torch.zeros(
-            (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim),
             dtype=self.dtype,
             device=self.device,
         )

@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self,
         positions: torch.Tensor,  # [T]
         x: torch.Tensor,  # [T, hidden]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kvh, d]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, kvh, d], this layer's view
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta)
         o = paged_attention(q, kv_cache, meta, self.scale, k, v)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
@@ -111,12 +111,12 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kvh, d]
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kvh, d]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, kv_cache[i], meta)
+            x = layer(positions, x, kv_cache[:, i], meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]

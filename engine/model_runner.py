@@ -13,7 +13,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kvh, d]
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kvh, d]
         block_size: int,
         device: torch.device,
     ) -> None:
@@ -31,7 +31,8 @@ class ModelRunner:
         prefills = [s for s in batch if s.num_new_tokens > 1]
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
         sample_index: list[int] = []
         sample_rows: list[ScheduledSeq] = []
 
@@ -41,7 +42,8 @@ class ModelRunner:
             for pos in range(start, start + item.num_new_tokens):
                 input_ids.append(seq.token_at(pos))
                 positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                slot_blocks.append(seq.block_table[pos // bs])
+                slot_offsets.append(pos % bs)
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
                 sample_rows.append(item)
@@ -73,7 +75,8 @@ class ModelRunner:
                 )
             )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=self.device),
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,

@@ -1,5 +1,5 @@
-"""Descriptor lists for block transfers: one (offset, length) run per (layer, K/V, block), with
-runs merged where consecutive blocks are contiguous on both sides."""
+"""Descriptor lists for block transfers: one (address, length) run per block, merged where
+consecutive blocks are contiguous on both sides."""
 
 from __future__ import annotations
 
@@ -37,28 +37,20 @@ def descriptor_arrays(
     src_base: int,
     dst_base: int,
     runs: list[BlockRun],
-    src_num_blocks: int,
-    dst_num_blocks: int,
-    device_id: int = 0,
+    src_device_id: int = 0,
+    dst_device_id: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) arrays for both sides, in the same order.
+    """Nx3 (address, length, device) arrays for both sides, one row per run, in the same order.
 
-    The two regions may hold different numbers of blocks, so each side's offsets use its own
-    `num_blocks`; run lengths are identical by construction.
+    Offsets only depend on block ids (a block is one contiguous run), so the two regions may
+    hold different numbers of blocks.
     """
-    run = layout.run_bytes
-    n = layout.num_layers * 2 * len(runs)
-    src = np.empty((n, 3), dtype=np.uint64)
-    dst = np.empty((n, 3), dtype=np.uint64)
-    starts_src = np.array([r.src_start for r in runs], dtype=np.uint64)
-    starts_dst = np.array([r.dst_start for r in runs], dtype=np.uint64)
-    lengths = np.array([r.num_blocks for r in runs], dtype=np.uint64) * run
-    for half in range(layout.num_layers * 2):  # half = layer * 2 + kv
-        rows = slice(half * len(runs), (half + 1) * len(runs))
-        src[rows, 0] = src_base + (half * src_num_blocks + starts_src) * run
-        dst[rows, 0] = dst_base + (half * dst_num_blocks + starts_dst) * run
-        src[rows, 1] = lengths
-        dst[rows, 1] = lengths
-    src[:, 2] = device_id
-    dst[:, 2] = device_id
+    block = layout.bytes_per_block
+    src = np.empty((len(runs), 3), dtype=np.uint64)
+    dst = np.empty((len(runs), 3), dtype=np.uint64)
+    src[:, 0] = [src_base + r.src_start * block for r in runs]
+    dst[:, 0] = [dst_base + r.dst_start * block for r in runs]
+    src[:, 1] = dst[:, 1] = [r.num_blocks * block for r in runs]
+    src[:, 2] = src_device_id
+    dst[:, 2] = dst_device_id
     return src, dst

@@ -1,6 +1,6 @@
 """Block packing ops with a torch reference (CPU, and CUDA fallback) and CUDA kernels.
 
-    gather_blocks(cache [L, 2, NB, BS, H, D], ids [n])  -> staging [n, L, 2, BS, H, D]
+    gather_blocks(cache [NB, L, 2, BS, H, D], ids [n])  -> staging [n, L, 2, BS, H, D]
     scatter_blocks(cache, ids, staging)                  (inverse)
     nhd_to_hnd(x [..., BS, H, D]) -> [..., H, BS, D]     and hnd_to_nhd
     fp8_pack(x [..., BS, H, D]) -> (q uint8 same shape, scales float32 [...])  e4m3, one scale per
@@ -29,11 +29,11 @@ LIB_NAME = "libtandem_kv.so"
 # ---- torch references ------------------------------------------------------------------------
 
 def gather_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    return cache_.index_select(2, block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+    return cache_.index_select(0, block_ids)
 
 
 def scatter_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    cache_.index_copy_(2, block_ids, staging.permute(1, 2, 0, 3, 4, 5))
+    cache_.index_copy_(0, block_ids, staging)
 
 
 def nhd_to_hnd_ref(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _lib() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in ("tandem_gather_blocks", "tandem_scatter_blocks"):
-        getattr(lib, fn).argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        getattr(lib, fn).argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
     lib.tandem_transpose.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr]
     lib.tandem_fp8_pack.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr]
     lib.tandem_fp8_unpack.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr]
@@ -109,12 +109,10 @@ def gather_blocks(cache_: torch.Tensor, block_ids, use_kernel: bool | None = Non
     ids = _ids(block_ids, cache_.device)
     if not (_use_kernel(cache_) if use_kernel is None else use_kernel):
         return gather_blocks_ref(cache_, ids)
-    num_layers, _, num_blocks = cache_.shape[:3]
-    out = torch.empty((ids.numel(), *cache_.shape[:2], *cache_.shape[3:]), dtype=cache_.dtype,
-                      device=cache_.device)
-    run_bytes = cache_[0, 0, 0].numel() * cache_.element_size()
+    out = torch.empty((ids.numel(), *cache_.shape[1:]), dtype=cache_.dtype, device=cache_.device)
+    block_bytes = cache_[0].numel() * cache_.element_size()
     _check(_lib().tandem_gather_blocks(cache_.data_ptr(), out.data_ptr(), ids.data_ptr(), ids.numel(),
-                                       num_layers, num_blocks, run_bytes, _stream(cache_)), "gather")
+                                       cache_.shape[0], block_bytes, _stream(cache_)), "gather")
     return out
 
 
@@ -126,11 +124,10 @@ def scatter_blocks(cache_: torch.Tensor, block_ids, staging: torch.Tensor,
     if not (_use_kernel(cache_) if use_kernel is None else use_kernel):
         scatter_blocks_ref(cache_, ids, staging)
         return
-    num_layers, _, num_blocks = cache_.shape[:3]
     staging = staging.contiguous()
-    run_bytes = cache_[0, 0, 0].numel() * cache_.element_size()
+    block_bytes = cache_[0].numel() * cache_.element_size()
     _check(_lib().tandem_scatter_blocks(cache_.data_ptr(), staging.data_ptr(), ids.data_ptr(),
-                                        ids.numel(), num_layers, num_blocks, run_bytes,
+                                        ids.numel(), cache_.shape[0], block_bytes,
                                         _stream(cache_)), "scatter")
 
 

@@ -1,8 +1,12 @@
 """`KVLayout`: what both ends of a transfer must agree on about the paged KV cache.
 
-The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so the
-K (or V) half of block `b` in layer `l` is one contiguous run of `run_bytes` at
-`((l * 2 + kv) * num_blocks + b) * run_bytes` from the region's start.
+The cache is one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`: block
+`b` (every layer, K and V) is one contiguous run of `bytes_per_block` at `b * bytes_per_block`
+from the region's start, so a transfer needs one descriptor per run of consecutive blocks.
+
+(A layer-major layout `[L, 2, NB, ...]` was measured first: it splits each block into 2·L runs of
+6 KiB for SmolLM2, and the UCX per-descriptor cost held scattered pulls to ~26% of a raw
+single-buffer read; see bench/kv_transfer.py.)
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ class KVLayout(BaseModel):
     num_kv_heads: int
     head_dim: int
     num_blocks: int
-    order: Literal["layer_kv_block_nhd"] = "layer_kv_block_nhd"
+    order: Literal["block_layer_kv_nhd"] = "block_layer_kv_nhd"
 
     @classmethod
     def of_cache(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
-        num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_blocks, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
         if two != 2 or not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be a contiguous [L, 2, NB, BS, H, D] tensor")
+            raise ValueError("kv_cache must be a contiguous [NB, L, 2, BS, H, D] tensor")
         return cls(model_id=model_id, dtype=str(kv_cache.dtype).removeprefix("torch."),
                    num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
                    head_dim=head_dim, num_blocks=num_blocks)
@@ -46,7 +50,7 @@ class KVLayout(BaseModel):
 
     @property
     def run_bytes(self) -> int:
-        """Bytes of the K (or V) half of one block in one layer: one descriptor's length."""
+        """Bytes of the K (or V) half of one block in one layer."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
@@ -55,14 +59,18 @@ class KVLayout(BaseModel):
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one whole block: the unit a transfer descriptor covers."""
         return self.num_layers * self.bytes_per_block_per_layer
 
     @property
     def region_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def block_offset(self, block_id: int) -> int:
+        return block_id * self.bytes_per_block
+
     def run_offset(self, layer: int, kv: int, block_id: int) -> int:
-        return ((layer * 2 + kv) * self.num_blocks + block_id) * self.run_bytes
+        return self.block_offset(block_id) + (layer * 2 + kv) * self.run_bytes
 
     def differences(self, other: KVLayout) -> list[str]:
         """Human-readable list of the fields that make `other` incompatible (block count may differ)."""

@@ -151,10 +151,8 @@ class NixlTransport:
         runs = coalesce(remote_block_ids, local_block_ids)
         src, dst = descriptor_arrays(
             self.layout, int(peer.params["base_address"]), self.kv_cache.data_ptr(), runs,
-            peer.layout.num_blocks, self.layout.num_blocks,
+            int(peer.params.get("device_id", 0)), self._device_id,
         )
-        src[:, 2] = int(peer.params.get("device_id", 0))
-        dst[:, 2] = self._device_id
         agent_name = self._agent_for(peer)
         notif = _NOTIF_PREFIX + request_id.encode()
         handle = None

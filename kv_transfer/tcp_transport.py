@@ -1,10 +1,13 @@
 """TCP fallback transport for machines without NIXL: asyncio streams, length-prefixed JSON
 headers, block bytes in checksummed chunks.
 
-    request  (receiver -> sender): {"op": "pull", "request_id", "block_ids", "token"}
+    request  (receiver -> sender): {"op": "pull", "request_id", "block_ids", "token", "fp8"}
     response (sender -> receiver): {"ok": true, "num_bytes", "chunk_bytes"} then chunks of
                                    [8-byte xxh3_64 LE][bytes]; or {"ok": false, "error"}
     done     (receiver -> sender): {"op": "done", "request_id"}
+
+With `fp8` the payload is the e4m3 bytes of the staged blocks followed by their float32 scales
+(one per (block, layer, K/V) run), packed by `kernels.fp8_pack` (a CUDA kernel on GPU caches).
 
 Unlike one-sided NIXL reads the sender sees each request, so it checks the token and that the
 asked-for blocks are the ones leased to that request id.
@@ -116,7 +119,12 @@ class TcpTransport:
                 return
             block_ids = [int(b) for b in req["block_ids"]]
             staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
-            payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+            if req.get("fp8"):
+                q, scales = kernels.fp8_pack(staging)  # q: uint8 like staging; scales [n, L, 2]
+                payload = np.concatenate([q.reshape(-1).cpu().numpy(),
+                                          scales.reshape(-1).cpu().numpy().view(np.uint8)])
+            else:
+                payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
             chunk = self.config.chunk_bytes
             await _write_header(writer, {"ok": True, "num_bytes": int(payload.size), "chunk_bytes": chunk})
             view = memoryview(payload)
@@ -176,20 +184,26 @@ class TcpTransport:
         t0 = time.perf_counter()
         reader, writer = await asyncio.open_connection(peer.params["host"], int(peer.params["port"]))
         try:
+            fp8 = self.config.fp8
             await _write_header(writer, {"op": "pull", "request_id": request_id,
                                          "block_ids": list(remote_block_ids),
-                                         "token": self.config.token or ""})
+                                         "token": self.config.token or "", "fp8": fp8})
             resp = await _read_header(reader)
             if not resp.get("ok"):
                 raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.get('error')}")
             n = len(remote_block_ids)
-            expected = n * self.layout.bytes_per_block
+            lay = self.layout
+            shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            num_runs = n * lay.num_layers * 2
+            if fp8:
+                expected = num_runs * (lay.run_bytes // lay.element_size) + num_runs * 4
+                buf = np.empty(expected, dtype=np.uint8)
+            else:
+                expected = n * lay.bytes_per_block
+                staging = torch.empty(shape, dtype=self.kv_cache.dtype)
+                buf = staging.view(torch.uint8).reshape(-1).numpy()
             if resp["num_bytes"] != expected:
                 raise TransferError(f"peer sent {resp['num_bytes']} bytes, expected {expected}")
-            lay = self.layout
-            staging = torch.empty((n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim),
-                                  dtype=self.kv_cache.dtype)
-            buf = staging.view(torch.uint8).reshape(-1).numpy()
             chunk = int(resp["chunk_bytes"])
             for start in range(0, expected, chunk):
                 (want,) = _CHECKSUM.unpack(await reader.readexactly(_CHECKSUM.size))
@@ -198,9 +212,14 @@ class TcpTransport:
                 if xxhash.xxh3_64_intdigest(data) != want:
                     raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
                 buf[start : start + size] = np.frombuffer(data, dtype=np.uint8)
+            if fp8:
+                num_q = expected - num_runs * 4
+                q = torch.from_numpy(buf[:num_q]).reshape(shape).to(self.kv_cache.device)
+                scales = torch.from_numpy(buf[num_q:].view(np.float32)).reshape(shape[:3])
+                staging = kernels.fp8_unpack(q, scales.to(self.kv_cache.device), self.kv_cache.dtype)
             kernels.scatter_blocks(self.kv_cache, local_block_ids, staging.to(self.kv_cache.device))
             await _write_header(writer, {"op": "done", "request_id": request_id})
         finally:
             writer.close()
         return PullStats(num_blocks=n, num_bytes=expected, seconds=time.perf_counter() - t0,
-                         num_descriptors=0, transport_label="tcp")
+                         num_descriptors=0, transport_label="tcp+fp8" if fp8 else "tcp")

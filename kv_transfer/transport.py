@@ -44,6 +44,7 @@ class TransportConfig:
     pull_timeout_s: float = 10.0
     poll_interval_s: float = 0.0005
     chunk_bytes: int = 16 << 20
+    fp8: bool = False  # tcp: send blocks as e4m3 + per-run scales (lossy, about half the bytes)
     ucx_proto_log: str | None = None  # a UCX_LOG_FILE written with UCX_PROTO_INFO=y, if any
 
 

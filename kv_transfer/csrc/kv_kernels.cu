@@ -4,8 +4,8 @@
 // Built by kv_transfer/build.py with nvcc into libtandem_kv.so and called through ctypes with
 // raw device pointers; kv_transfer/kernels.py holds the torch reference of each kernel.
 //
-// Cache:   [L, 2, NB, run]  (run = block_size * heads * head_dim elements, one K or V half)
-// Staging: [n, L, 2, run]   (the n selected blocks, each whole block contiguous)
+// Cache:   [NB, L, 2, BS, H, D]  (each block one contiguous run of block_bytes)
+// Staging: [n, L, 2, BS, H, D]   (the n selected blocks, back to back)
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -14,26 +14,28 @@
 
 namespace {
 
-// Copy one run (K or V half of one block in one layer) per CUDA block, in 16-byte words when
-// aligned, else bytes. `to_staging` selects gather (cache -> staging) or scatter.
-__global__ void copy_runs_kernel(uint8_t* cache, uint8_t* staging, const int64_t* block_ids,
-                                 int64_t num_sel, int64_t num_layers, int64_t num_blocks,
-                                 int64_t run_bytes, bool to_staging) {
-  const int64_t run_idx = blockIdx.x;  // over num_sel * L * 2
-  const int64_t half = run_idx % (num_layers * 2);
-  const int64_t sel = run_idx / (num_layers * 2);
+// Copy selected blocks between the cache and a staging buffer. The grid is (chunks, n): each
+// CUDA block copies one 64 KiB slice of one cache block, in 16-byte words when aligned.
+constexpr int64_t kChunk = 64 * 1024;
+
+__global__ void copy_blocks_kernel(uint8_t* cache, uint8_t* staging, const int64_t* block_ids,
+                                   int64_t num_blocks, int64_t block_bytes, bool to_staging) {
+  const int64_t sel = blockIdx.y;
   const int64_t block = block_ids[sel];
-  uint8_t* c = cache + ((half * num_blocks) + block) * run_bytes;
-  uint8_t* s = staging + (sel * num_layers * 2 + half) * run_bytes;
+  if (block < 0 || block >= num_blocks) return;  // ids are bounds-checked on the host too
+  const int64_t begin = blockIdx.x * kChunk;
+  const int64_t end = min(begin + kChunk, block_bytes);
+  uint8_t* c = cache + block * block_bytes;
+  uint8_t* s = staging + sel * block_bytes;
   uint8_t* src = to_staging ? c : s;
   uint8_t* dst = to_staging ? s : c;
-  if ((run_bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 &&
+  if ((block_bytes % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 &&
       (reinterpret_cast<uintptr_t>(dst) % 16) == 0) {
-    const int4* src4 = reinterpret_cast<const int4*>(src);
-    int4* dst4 = reinterpret_cast<int4*>(dst);
-    for (int64_t i = threadIdx.x; i < run_bytes / 16; i += blockDim.x) dst4[i] = src4[i];
+    const int4* src4 = reinterpret_cast<const int4*>(src + begin);
+    int4* dst4 = reinterpret_cast<int4*>(dst + begin);
+    for (int64_t i = threadIdx.x; i < (end - begin) / 16; i += blockDim.x) dst4[i] = src4[i];
   } else {
-    for (int64_t i = threadIdx.x; i < run_bytes; i += blockDim.x) dst[i] = src[i];
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
   }
 }
 
@@ -111,18 +113,20 @@ extern "C" {
 // dtype codes shared with kernels.py: 0 float32, 1 float16, 2 bfloat16.
 
 int tandem_gather_blocks(void* cache, void* staging, const int64_t* block_ids, int64_t num_sel,
-                         int64_t num_layers, int64_t num_blocks, int64_t run_bytes, void* stream) {
+                         int64_t num_blocks, int64_t block_bytes, void* stream) {
   if (num_sel == 0) return 0;
-  copy_runs_kernel<<<num_sel * num_layers * 2, kThreads, 0, (cudaStream_t)stream>>>(
-      (uint8_t*)cache, (uint8_t*)staging, block_ids, num_sel, num_layers, num_blocks, run_bytes, true);
+  dim3 grid((block_bytes + kChunk - 1) / kChunk, num_sel);
+  copy_blocks_kernel<<<grid, kThreads, 0, (cudaStream_t)stream>>>(
+      (uint8_t*)cache, (uint8_t*)staging, block_ids, num_blocks, block_bytes, true);
   return (int)cudaGetLastError();
 }
 
 int tandem_scatter_blocks(void* cache, void* staging, const int64_t* block_ids, int64_t num_sel,
-                          int64_t num_layers, int64_t num_blocks, int64_t run_bytes, void* stream) {
+                          int64_t num_blocks, int64_t block_bytes, void* stream) {
   if (num_sel == 0) return 0;
-  copy_runs_kernel<<<num_sel * num_layers * 2, kThreads, 0, (cudaStream_t)stream>>>(
-      (uint8_t*)cache, (uint8_t*)staging, block_ids, num_sel, num_layers, num_blocks, run_bytes, false);
+  dim3 grid((block_bytes + kChunk - 1) / kChunk, num_sel);
+  copy_blocks_kernel<<<grid, kThreads, 0, (cudaStream_t)stream>>>(
+      (uint8_t*)cache, (uint8_t*)staging, block_ids, num_blocks, block_bytes, false);
   return (int)cudaGetLastError();
 }
 

@@ -190,8 +190,8 @@ def test_prefill_hold_then_import_continues_identically(tiny_folder):
     seq, num_local = d_engine.add_imported_request("r", prompt, GREEDY, first.token_ids)
     assert num_local == 0
     dst_blocks = seq.block_table
-    # Move the KV: [layers, 2, blocks, ...] indexed by block ids on both sides.
-    d_engine.kv_cache[:, :, dst_blocks] = p_engine.kv_cache[:, :, src_blocks]
+    # Move the KV: [blocks, layers, 2, ...] indexed by block ids on both sides.
+    d_engine.kv_cache[dst_blocks] = p_engine.kv_cache[src_blocks]
     assert p_engine.release("r") and p_engine.pool.num_free_blocks == 64
     d_engine.finish_import("r", success=True)
     out = run_all(d_engine)["r"]

@@ -35,14 +35,14 @@ def make_cache(num_blocks: int, seed: int, dtype=torch.float16, block_size: int 
     s = SHAPE
     g = torch.Generator().manual_seed(seed)
     bs = block_size or s["block_size"]
-    shape = (s["num_layers"], 2, num_blocks, bs, s["num_kv_heads"], s["head_dim"])
+    shape = (num_blocks, s["num_layers"], 2, bs, s["num_kv_heads"], s["head_dim"])
     return torch.randn(shape, generator=g).to(dtype)
 
 
 def block_digests(cache: torch.Tensor) -> list[str]:
     out = []
-    for b in range(cache.shape[2]):
-        out.append(xxhash.xxh3_64_hexdigest(cache[:, :, b].contiguous().view(torch.uint8).numpy().tobytes()))
+    for b in range(cache.shape[0]):
+        out.append(xxhash.xxh3_64_hexdigest(cache[b].contiguous().view(torch.uint8).numpy().tobytes()))
     return out
 
 
@@ -66,12 +66,14 @@ async def main() -> None:
     ap.add_argument("--block-size", type=int, default=SHAPE["block_size"])
     ap.add_argument("--pull-timeout", type=float, default=10.0)
     ap.add_argument("--ucx-proto-log", default=None)
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size)
     layout = KVLayout.of_cache(cache, args.model_id)
     released: list[str] = []
     config = TransportConfig(engine_id=args.engine_id, token=args.token, listen_host=args.host,
-                             pull_timeout_s=args.pull_timeout, ucx_proto_log=args.ucx_proto_log)
+                             pull_timeout_s=args.pull_timeout, ucx_proto_log=args.ucx_proto_log,
+                             fp8=args.fp8)
     connector = KVConnector(cache, layout, config, args.transport, released.append,
                             lease_seconds=args.lease_seconds)
     await connector.start()
@@ -105,6 +107,8 @@ async def main() -> None:
                     "label": connector.transport.label}
         if op == "digest":
             return {"digests": block_digests(cache)}
+        if op == "blocks":  # raw values of a few blocks, for lossy (fp8) comparisons
+            return {"values": cache[cmd["block_ids"]].float().tolist()}
         if op == "netdev":
             return {"netdev": open("/proc/net/dev").read()}
         raise ValueError(f"unknown command {op}")

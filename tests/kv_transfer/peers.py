@@ -21,7 +21,9 @@ class Peer:
         cmd = [sys.executable, "-m", "tests.kv_transfer.peer", "--transport", transport,
                "--engine-id", engine_id]
         for key, value in options.items():
-            if value is not None:
+            if value is True:
+                cmd.append(f"--{key.replace('_', '-')}")
+            elif value is not None and value is not False:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]

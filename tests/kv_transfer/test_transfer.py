@@ -164,3 +164,25 @@ def test_metadata_endpoint_requires_the_internal_token(pair, transport):
         assert out["error"] == "TransferError" and "HTTP 401" in out["message"]
     finally:
         wrong.close()
+
+
+def test_tcp_fp8_packing_halves_bytes_within_e4m3_error():
+    import torch
+
+    sender = Peer("tcp", "P5", num_blocks=16, seed=1)
+    receiver = Peer("tcp", "D5", num_blocks=16, seed=2, fp8=True)
+    try:
+        sender.send("export", request_id="f", block_ids=[3, 4])
+        stats = receiver.send("pull", url=sender.url, request_id="f", remote_block_ids=[3, 4],
+                              local_block_ids=[0, 1])
+        full = 2 * 4 * 2 * 16 * 3 * 64 * 2
+        assert stats["label"] == "tcp+fp8" and stats["num_bytes"] == full // 2 + 2 * 4 * 2 * 4
+        got = torch.tensor(receiver.send("blocks", block_ids=[0, 1])["values"])
+        want = make_cache(16, seed=1)[[3, 4]].float()
+        err = (got - want).abs().amax(dim=(3, 4, 5))  # per run
+        assert (err <= want.abs().amax(dim=(3, 4, 5)) * 2**-4 + 1e-3).all()
+        assert not torch.equal(got, want)  # it really went through fp8
+        assert wait_for(lambda: sender.send("state")["leases"] == 0)
+    finally:
+        sender.close()
+        receiver.close()

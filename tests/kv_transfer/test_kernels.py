@@ -1,0 +1,101 @@
+"""Kernel references on CPU; the CUDA kernels compile here (nvcc) and match the references on a GPU."""
+
+import subprocess
+
+import pytest
+import torch
+
+from kv_transfer import kernels
+from kv_transfer.build import nvcc_path
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def cache(dtype=torch.float16, device="cpu", num_blocks=12):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(num_blocks, 3, 2, 16, 3, 64, generator=g) * 4).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_scatter_reference_roundtrip(dtype):
+    c = cache(dtype)
+    ids = [9, 2, 3, 11]
+    staging = kernels.gather_blocks(c, ids)
+    assert staging.shape == (4, 3, 2, 16, 3, 64) and staging.is_contiguous()
+    for i, b in enumerate(ids):
+        assert torch.equal(staging[i], c[b])
+    dst = torch.zeros_like(c)
+    kernels.scatter_blocks(dst, [0, 5, 6, 7], staging)
+    assert torch.equal(dst[[0, 5, 6, 7]], c[ids])
+    assert dst[[1, 2, 3, 4, 8, 9, 10, 11]].abs().sum() == 0
+    with pytest.raises(ValueError, match="staging holds 4 blocks, 2 ids"):
+        kernels.scatter_blocks(dst, [0, 1], staging)
+
+
+def test_layout_conversion_reference():
+    x = cache()[:4]  # [n, L, 2, BS, H, D]
+    hnd = kernels.nhd_to_hnd(x)
+    assert hnd.shape == (4, 3, 2, 3, 16, 64)
+    assert torch.equal(hnd[1, 0, 1, 2, 5], x[1, 0, 1, 5, 2])
+    assert torch.equal(kernels.hnd_to_nhd(hnd), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_reference_halves_bytes_within_e4m3_error(dtype):
+    x = kernels.gather_blocks(cache(dtype), [1, 4])
+    q, scales = kernels.fp8_pack(x)
+    assert q.dtype == torch.uint8 and q.shape == x.shape and scales.shape == x.shape[:-3]
+    assert q.numel() * q.element_size() * 2 <= x.numel() * x.element_size()
+    back = kernels.fp8_unpack(q, scales, dtype).float()
+    ref = x.float()
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each run's scale-normalised value.
+    runs_err = (back - ref).abs().reshape(-1, 16 * 3 * 64).amax(1)
+    runs_max = ref.abs().reshape(-1, 16 * 3 * 64).amax(1)
+    assert (runs_err <= runs_max * 2**-4 + 1e-6).all()
+    zeros = torch.zeros(1, 1, 2, 16, 3, 64, dtype=dtype)
+    qz, sz = kernels.fp8_pack(zeros)
+    assert (sz == 1).all() and (kernels.fp8_unpack(qz, sz, dtype) == 0).all()
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_cuda_kernels_compile(tmp_path):
+    out = tmp_path / "libtandem_kv.so"
+    from kv_transfer.build import build
+
+    build(out)
+    syms = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
+    for fn in ("tandem_gather_blocks", "tandem_scatter_blocks", "tandem_transpose",
+               "tandem_fp8_pack", "tandem_fp8_unpack"):
+        assert fn in syms
+
+
+@pytest.fixture(scope="module")
+def cuda_lib():
+    from kv_transfer.build import build
+
+    if not kernels.library_path().is_file():
+        build()
+    kernels._lib.cache_clear()
+    assert kernels.cuda_kernels_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_kernels_match_references(cuda_lib, dtype):
+    c = cache(dtype, "cuda", num_blocks=64)
+    ids = [63, 0, 17, 18, 19, 5]
+    staging_k = kernels.gather_blocks(c, ids, use_kernel=True)
+    staging_r = kernels.gather_blocks(c, ids, use_kernel=False)
+    assert torch.equal(staging_k, staging_r)
+    dst_k, dst_r = torch.zeros_like(c), torch.zeros_like(c)
+    kernels.scatter_blocks(dst_k, [1, 2, 3, 4, 5, 6], staging_k, use_kernel=True)
+    kernels.scatter_blocks(dst_r, [1, 2, 3, 4, 5, 6], staging_r, use_kernel=False)
+    assert torch.equal(dst_k, dst_r)
+    assert torch.equal(kernels.nhd_to_hnd(staging_k, use_kernel=True), kernels.nhd_to_hnd_ref(staging_k))
+    hnd = kernels.nhd_to_hnd_ref(staging_k)
+    assert torch.equal(kernels.hnd_to_nhd(hnd, use_kernel=True), staging_k)
+    qk, sk = kernels.fp8_pack(staging_k, use_kernel=True)
+    qr, sr = kernels.fp8_pack(staging_k, use_kernel=False)
+    assert torch.equal(sk, sr) and torch.equal(qk, qr)
+    assert torch.equal(kernels.fp8_unpack(qk, sk, dtype, use_kernel=True),
+                       kernels.fp8_unpack(qr, sr, dtype, use_kernel=False))
