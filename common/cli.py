@@ -79,6 +79,48 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--advertise-host", default=None, help="address peers and the router use")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--heartbeat-ttl", type=float, default=10.0)
+    p.add_argument("--internal-token", default=None,
+                   help="bearer token for internal endpoints (default $TANDEM_INTERNAL_TOKEN)")
+    p.add_argument("--transport", default=None, choices=["nixl", "tcp"])
+    p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-queue", type=int, default=256)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from worker.app import create_app
+    from worker.settings import WorkerSettings
+
+    settings = WorkerSettings(
+        role=args.command, model=args.model, cache_dir=_cache_dir(args.cache_dir),
+        host=args.host, port=args.port, advertise_host=args.advertise_host,
+        worker_id=args.worker_id, redis_url=args.redis_url, namespace=args.namespace,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
+        device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory,
+        block_size=args.block_size, threads=args.threads, transport=args.transport,
+        lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -99,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_chat)
+
+    for role, port, text in (("prefill", 8200, "serve the prefill phase"),
+                             ("decode", 8300, "serve the decode phase (pulls KV from prefill)"),
+                             ("colocated", 8400, "serve both phases in one process")):
+        p = sub.add_parser(role, help=text)
+        _add_worker_args(p, port)
+        p.set_defaults(func=cmd_worker)
     return parser
 
 

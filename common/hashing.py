@@ -77,3 +77,9 @@ def _pack_tokens(token_ids: Sequence[int]) -> bytes:
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
     return arr.astype("<u4").tobytes()
+
+
+def hash_member(block_hash: int) -> str:
+    """A block hash as a Redis set member: the signed 64-bit decimal string (Redis stores
+    integer-like strings compactly; the router and workers must use this same form)."""
+    return str(block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash)

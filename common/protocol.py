@@ -82,6 +82,8 @@ class PrefillResponse(BaseModel):
     num_cached_tokens: int
     kv_transfer_params: KVTransferParams
     first_token_logprob: TokenLogprob | None = None
+    # Set when the request ended at its first token (EOS, stop, max_tokens=1): no decode leg.
+    finish_reason: FinishReason | None = None
 
 
 class GenerateRequest(BaseModel):

@@ -45,6 +45,9 @@ class RequestOutput:
     stop_reason: str | int | None
     num_cached_tokens: int
     logprobs: list[Logprob] | None
+    arrival_time: float = 0.0  # monotonic seconds
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -134,6 +137,10 @@ class LLMEngine:
         seq.output_token_ids = out
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            if not params.greedy:
+                # Continue the stream of random draws where the tokens given were sampled
+                # (by a prefill worker, or before a failure), so P/D equals one engine.
+                self.sampler.skip(seq.generator, len(out), self.model_config.vocab_size)
         seq.text_stream = self.tokenizer.decode_stream(params.skip_special_tokens)
         for t in out:
             seq.text += seq.text_stream.step(t)
@@ -162,16 +169,16 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        output_token_ids: list[int],
+        output_token_ids: list[int] | None = None,
     ) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV comes from elsewhere.
 
-        Returns the sequence and how many leading blocks of its `block_table` are already here
-        (prefix cache hits); the caller fills the rest, then calls `finish_import`.
+        KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
+        last prompt token when no output is given, as vLLM's decode side does), which the next
+        step computes. Returns the sequence and how many leading blocks of its `block_table` are
+        already here (prefix cache hits); the caller fills the rest, then calls `finish_import`.
         Raises `MemoryError` when blocks are short (the caller retries or refuses).
         """
-        if not output_token_ids:
-            raise ValueError("an imported request needs the first token from its prefill")
         seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
         # KV exists for every token but the last output one, which the next step computes.
         prefix = self.kv.computed_prefix(seq)
@@ -183,9 +190,12 @@ class LLMEngine:
         self.importing[request_id] = seq
         return seq, len(prefix)
 
-    def finish_import(self, request_id: str, success: bool) -> None:
-        """The transfer filled the blocks (join the batch) or failed (prefill locally instead)."""
-        seq = self.importing.pop(request_id)
+    def finish_import(self, request_id: str, success: bool) -> bool:
+        """The transfer filled the blocks (join the batch) or failed (prefill locally instead).
+        Returns False if the request is no longer importing (it was aborted meanwhile)."""
+        seq = self.importing.pop(request_id, None)
+        if seq is None:
+            return False
         if success:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.kv.cache_computed_blocks(seq)
@@ -198,16 +208,16 @@ class LLMEngine:
             seq.block_table = seq.block_table[:keep]
             seq.num_computed_tokens = keep * self.block_size
             self.scheduler.add(seq)
+        return True
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks now. Returns False for an unknown id."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks now; returns its final output (None if unknown)."""
         seq = self.requests.get(request_id) or self.held.get(request_id)
         if seq is None:
-            return False
+            return None
         self.importing.pop(request_id, None)
         self.scheduler.remove(seq)
-        self._finish(seq, "abort", keep_blocks=False)
-        return True
+        return self._finish(seq, "abort", keep_blocks=False)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request was holding."""
@@ -334,4 +344,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
         )

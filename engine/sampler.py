@@ -51,6 +51,12 @@ class Sampler:
         return token_ids, logprobs
 
     @staticmethod
+    def skip(generator: torch.Generator, num_samples: int, vocab: int) -> None:
+        """Advance `generator` past `num_samples` samples (each draws `vocab` exponentials)."""
+        for _ in range(num_samples):
+            torch.empty(vocab, device=generator.device).exponential_(generator=generator)
+
+    @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties and s.output_token_ids]
         if not rows:

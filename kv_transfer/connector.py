@@ -149,6 +149,10 @@ class KVConnector:
         if forget is not None:
             forget(engine_id)
 
+    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+        """Nothing to pull (every block is already here): let the sender free its lease."""
+        await self.transport.notify(peer, request_id)
+
     async def fetch(
         self,
         peer: PeerMetadata,

@@ -192,6 +192,14 @@ class NixlTransport:
             transport_label=self._label,
         )
 
+    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+        """Tell the peer its blocks are no longer needed, without reading any."""
+        try:
+            self._agent.send_notif(self._agent_for(peer), _NOTIF_PREFIX + request_id.encode())
+        except Exception as e:  # nixl raises its own exception types
+            self.forget_peer(peer.engine_id)
+            raise TransferError(f"NIXL notification to {peer.engine_id} failed: {e}") from e
+
     def _refresh_label(self) -> None:
         if self._label == "ucx" and self.config.ucx_proto_log:
             # UCX writes its log through stdio; flush every C stream of this process first.

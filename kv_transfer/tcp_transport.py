@@ -5,6 +5,7 @@ headers, block bytes in checksummed chunks.
     response (sender -> receiver): {"ok": true, "num_bytes", "chunk_bytes"} then chunks of
                                    [8-byte xxh3_64 LE][bytes]; or {"ok": false, "error"}
     done     (receiver -> sender): {"op": "done", "request_id"}
+    notify   (receiver -> sender): {"op": "notify", "request_id", "token"}  (nothing to pull)
 
 With `fp8` the payload is the e4m3 bytes of the staged blocks followed by their float32 scales
 (one per (block, layer, K/V) run), packed by `kernels.fp8_pack` (a CUDA kernel on GPU caches).
@@ -113,6 +114,10 @@ class TcpTransport:
         self._handlers.add(task)
         try:
             req = await _read_header(reader)
+            if req.get("op") == "notify":
+                if self._token_ok(req) and self._check_lease(str(req.get("request_id"))):
+                    self._done.append(str(req["request_id"]))
+                return
             error = self._refusal(req)
             if error:
                 await _write_header(writer, {"ok": False, "error": error})
@@ -142,11 +147,23 @@ class TcpTransport:
             self._handlers.discard(task)
             writer.close()
 
+    def _token_ok(self, req: dict) -> bool:
+        token = self.config.token
+        return not token or hmac.compare_digest(str(req.get("token", "")), token)
+
+    def _check_lease(self, request_id: str) -> bool:
+        if self._check is None:
+            return True
+        try:
+            self._check(request_id, [])
+        except (ValueError, PermissionError):
+            return False
+        return True
+
     def _refusal(self, req: dict) -> str | None:
         if req.get("op") != "pull":
             return "expected a pull request"
-        token = self.config.token
-        if token and not hmac.compare_digest(str(req.get("token", "")), token):
+        if not self._token_ok(req):
             return "invalid internal token"
         block_ids = req.get("block_ids")
         if not isinstance(block_ids, list) or not block_ids:
@@ -160,6 +177,17 @@ class TcpTransport:
         return None
 
     # ---- receiver ---------------------------------------------------------------------------
+
+    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(peer.params["host"], int(peer.params["port"])),
+                self.config.pull_timeout_s)
+            await _write_header(writer, {"op": "notify", "request_id": request_id,
+                                         "token": self.config.token or ""})
+            writer.close()
+        except (OSError, TimeoutError) as e:
+            raise TransferError(f"tcp notification to {peer.engine_id} failed: {e}") from e
 
     async def pull(
         self,

@@ -84,6 +84,9 @@ class Transport(Protocol):
     ) -> PullStats:
         """Copy blocks from the peer, then notify it with `request_id`. Raises TransferError."""
 
+    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+        """Tell the peer it may free `request_id`'s blocks without pulling any (all local)."""
+
     def completed(self) -> list[str]:
         """Sender side: request ids whose receivers have notified since the last call."""
 

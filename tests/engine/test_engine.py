@@ -111,7 +111,7 @@ def test_abort_frees_all_blocks(tiny_folder):
     assert engine.pool.num_free_blocks < 128
     for i in range(4):
         assert engine.abort_request(f"r{i}")
-    assert not engine.abort_request("r0")
+    assert engine.abort_request("r0") is None
     assert not engine.has_unfinished()
     assert engine.pool.num_free_blocks == 128
 
@@ -214,6 +214,14 @@ def test_failed_import_falls_back_to_local_prefill(tiny_folder):
     engine.add_imported_request("r", prompt, GREEDY, want[:1])
     engine.finish_import("r", success=False)  # blocks hold garbage; must be recomputed
     assert run_all(engine)["r"].token_ids == want
+
+
+def test_seeded_resume_continues_the_random_stream(llm):
+    p = prompts(3)[1]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    want = llm.generate(p, params)[0].token_ids
+    llm.engine.add_request("seeded-resume", p, params, output_token_ids=want[:5])
+    assert run_all(llm.engine)["seeded-resume"].token_ids == want
 
 
 def test_resume_with_given_output_tokens(llm):

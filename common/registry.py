@@ -1,0 +1,194 @@
+"""The Redis schema (DESIGN.md "Redis schema") and the worker side of it.
+
+    tandem:{namespace}:worker:{id}   hash: role, url, model, block_size, capacity, load (JSON) ...
+    tandem:{namespace}:blocks:{id}   set of block hashes (`common.hashing.hash_member`)
+
+Both keys expire unless the worker's heartbeat refreshes them, so a dead worker vanishes from
+the index by itself. Block events are applied in batched pipelines; after any (re)connect the
+worker rewrites its whole set, so a restarted or emptied Redis heals itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.hashing import hash_member
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    namespace: str = "default"
+
+    @property
+    def prefix(self) -> str:
+        return f"tandem:{self.namespace}:"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}"
+
+    def blocks(self, worker_id: str) -> str:
+        return f"{self.prefix}blocks:{worker_id}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.prefix}worker:*"
+
+
+@dataclass
+class BlockEvent:
+    """Torch-free mirror of engine.block_pool.KVEvent."""
+
+    kind: str  # stored | removed | cleared
+    block_hashes: tuple[int, ...] = ()
+
+
+class WorkerPublisher:
+    """Registers one worker and mirrors its cached block hashes into Redis.
+
+    `on_events` may be called from any thread (the engine's); everything else runs on the event
+    loop. While Redis is unreachable, events are dropped and a full rewrite is owed: the set is
+    rebuilt from `snapshot()` when the connection returns, so nothing is lost that matters.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        keys: RedisKeys,
+        worker_id: str,
+        info: dict[str, Any],
+        snapshot: Callable[[], Awaitable[list[int]]],
+        load: Callable[[], dict[str, Any]],
+        ttl_s: float = 10.0,
+        flush_interval_s: float = 0.02,
+        max_pending: int = 100_000,
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.keys = keys
+        self.worker_id = worker_id
+        self.info = info
+        self._snapshot = snapshot
+        self._load = load
+        self.ttl_s = ttl_s
+        self.flush_interval_s = flush_interval_s
+        self.max_pending = max_pending
+        self._pending: list[BlockEvent] = []
+        self._lock = threading.Lock()
+        self._resync = True
+        self.connected = False
+        self.num_resyncs = 0
+        self.num_dropped_events = 0
+        self._task: asyncio.Task | None = None
+
+    def on_events(self, events) -> None:
+        with self._lock:
+            if self._resync:
+                return  # a full rewrite is owed anyway
+            self._pending.extend(BlockEvent(e.kind, tuple(e.block_hashes)) for e in events)
+            if len(self._pending) > self.max_pending:
+                self.num_dropped_events += len(self._pending)
+                self._pending.clear()
+                self._resync = True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"redis-publisher-{self.worker_id}")
+
+    async def close(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if deregister:
+            try:
+                await self.redis.delete(self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id))
+            except Exception as e:  # noqa: BLE001 - best effort on shutdown
+                log.warning("could not deregister %s from Redis: %s", self.worker_id, e)
+        await self.redis.aclose()
+
+    async def _run(self) -> None:
+        next_beat = 0.0
+        backoff = 0.2
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if self._resync:
+                    await self._rewrite()
+                now = loop.time()
+                if now >= next_beat:
+                    await self._heartbeat()
+                    next_beat = now + self.ttl_s / 3
+                await self._flush()
+                if not self.connected:
+                    log.info("redis: %s connected", self.worker_id)
+                self.connected = True
+                backoff = 0.2
+                await asyncio.sleep(self.flush_interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - redis errors of every kind: retry
+                if self.connected:
+                    log.warning("redis: lost connection (%s); requests continue, index resyncs later", e)
+                self.connected = False
+                with self._lock:
+                    self._pending.clear()
+                    self._resync = True
+                next_beat = 0.0
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _rewrite(self) -> None:
+        with self._lock:
+            self._resync = False
+            self._pending.clear()
+        # Events after this point queue up; the snapshot is taken on the engine thread, so the
+        # set written is consistent with the events that follow it.
+        hashes = await self._snapshot()
+        key = self.keys.blocks(self.worker_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(key)
+        members = [hash_member(h) for h in hashes]
+        for i in range(0, len(members), 10_000):
+            pipe.sadd(key, *members[i : i + 10_000])
+        pipe.expire(key, int(self.ttl_s))
+        await pipe.execute()
+        self.num_resyncs += 1
+
+    async def _heartbeat(self) -> None:
+        wkey, bkey = self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id)
+        fields = {k: (json.dumps(v) if isinstance(v, dict | list) else str(v)) for k, v in self.info.items()}
+        fields["load"] = json.dumps(self._load())
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(wkey, mapping=fields)
+        pipe.expire(wkey, int(self.ttl_s))
+        pipe.expire(bkey, int(self.ttl_s))
+        await pipe.execute()
+
+    async def _flush(self) -> None:
+        with self._lock:
+            events, self._pending = self._pending, []
+        if not events:
+            return
+        key = self.keys.blocks(self.worker_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for ev in events:
+            if ev.kind == "stored":
+                pipe.sadd(key, *[hash_member(h) for h in ev.block_hashes])
+            elif ev.kind == "removed":
+                pipe.srem(key, *[hash_member(h) for h in ev.block_hashes])
+            elif ev.kind == "cleared":
+                pipe.delete(key)
+        pipe.expire(key, int(self.ttl_s))
+        try:
+            await pipe.execute()
+        except Exception:
+            with self._lock:  # this batch is lost: owe a rewrite
+                self._resync = True
+            raise

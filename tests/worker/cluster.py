@@ -1,0 +1,112 @@
+"""Worker processes for the integration tests: real `tandem prefill|decode|colocated`
+processes on loopback, a real Redis, real NIXL (or TCP) between them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "internal-test-token"
+REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    def __init__(self, role: str, model: str, *, cache_dir: Path, namespace: str | None = None,
+                 extra: list[str] | None = None, num_blocks: int = 256, block_size: int = 4,
+                 token: str | None = TOKEN, ttl: float = 3.0) -> None:
+        self.role = role
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token
+        cmd = [sys.executable, "-m", "common.cli", role, "--model", model, "--cache-dir",
+               str(cache_dir), "--port", str(self.port), "--num-blocks", str(num_blocks),
+               "--block-size", str(block_size), "--heartbeat-ttl", str(ttl)]
+        if namespace:
+            cmd += ["--redis-url", REDIS_URL, "--namespace", namespace]
+        if token:
+            cmd += ["--internal-token", token]
+        cmd += extra or []
+        self.log = open(cache_dir / f"{role}-{self.port}.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=self.url, timeout=60,
+                                   headers={"Authorization": f"Bearer {token}"} if token else {})
+        self.worker_id = f"{role}-127.0.0.1-{self.port}"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if self.client.get("/ready").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.role} worker not ready in {timeout} s")
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def prefill(self, request_id: str, prompt: list[int], sampling: dict, **kw) -> dict:
+        r = self.client.post("/prefill", json={"request_id": request_id, "prompt_token_ids": prompt,
+                                               "sampling": sampling, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def generate(self, request_id: str, prompt: list[int], sampling: dict, output_token_ids=(),
+                 kv_transfer_params: dict | None = None) -> list[dict]:
+        body = {"request_id": request_id, "prompt_token_ids": prompt,
+                "output_token_ids": list(output_token_ids), "sampling": sampling}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        with self.client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200, r.read()
+            return [json.loads(line) for line in r.iter_lines() if line]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(15)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.client.close()
+        self.log.close()
+
+
+def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampling: dict) -> tuple[list[int], dict]:
+    """Prefill on P, then decode on D with the first token and P's kv_transfer_params."""
+    pre = p.prefill(request_id, prompt, sampling)
+    first = pre["first_token_id"]
+    if pre.get("finish_reason"):
+        return [first], pre
+    events = d.generate(request_id, prompt, sampling, [first], pre["kv_transfer_params"])
+    tokens = [first] + [t for ev in events for t in ev["token_ids"]]
+    return tokens, events[-1]

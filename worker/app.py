@@ -1,0 +1,66 @@
+"""`create_app(settings)`: one worker service (prefill, decode or colocated)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kv_transfer.metadata_api import metadata_router
+from worker.errors import install_error_handlers
+from worker.internal_api import internal_router
+from worker.metrics import WorkerMetrics
+from worker.settings import WorkerSettings
+from worker.state import WorkerState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: WorkerSettings) -> FastAPI:
+    registry = CollectorRegistry()
+    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        if state.connector is not None:
+            app.include_router(metadata_router(state.connector, settings.internal_token))
+        app.include_router(internal_router(state))
+        from worker.openai_api import openai_router
+
+        app.include_router(openai_router(state))
+        log.info("%s worker %s ready on %s (model %s, %d KV blocks)", settings.role,
+                 settings.resolved_worker_id, settings.url, state.core.model_id, state.core.num_blocks)
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title=f"Tandem {settings.role} worker", lifespan=lifespan)
+    app.state.worker = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is None or not state.engine.alive:
+            return JSONResponse({"status": "dead"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok = state.ready and state.engine is not None and state.engine.alive
+        body = {"ready": ok, "role": settings.role, "worker_id": settings.resolved_worker_id,
+                "redis": state.publisher.connected if state.publisher else None}
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine is not None:
+            state.metrics.sample_engine(state.core)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,194 @@
+"""OpenAI endpoints on the workers, with vLLM NixlConnector semantics for P/D routers.
+
+- prefill worker, `kv_transfer_params: {"do_remote_decode": true}` (and `max_tokens: 1`): prefill,
+  keep the blocks under a lease, answer with the first token and a top-level `kv_transfer_params`
+  (`do_remote_prefill`, `remote_engine_id`, `remote_block_ids`, `remote_host`, `remote_port`,
+  `remote_request_id`, ...).
+- decode worker given those params: pull the blocks (all prompt tokens but the last, which it
+  recomputes, as vLLM's decode side does), then generate as usual.
+- `/v1/completions/render` and `/v1/chat/completions/render` tokenize (vllm-router's cache-aware
+  policy calls them).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.auth import require_internal_token
+from common.protocol import GenerateRequest, KVTransferParams
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatTemplateError
+from worker.errors import APIError
+from worker.internal_api import run_prefill, stream_generate
+from worker.state import WorkerState
+
+
+class _OpenAIBase(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class CompletionBody(_OpenAIBase):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatBody(_OpenAIBase):
+    messages: list[dict[str, Any]]
+
+
+def _params(body: _OpenAIBase) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    kwargs = dict(
+        max_tokens=body.max_completion_tokens or body.max_tokens or 16,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+        min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_sampling_params") from e
+
+
+def openai_router(state: WorkerState) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))])
+    core = state.core
+    tok = core.tokenizer
+
+    def prompt_ids(body: CompletionBody | ChatBody) -> list[int]:
+        if isinstance(body, ChatBody):
+            try:
+                return tok.encode_chat(body.messages)
+            except (ChatTemplateError, TypeError, KeyError) as e:
+                raise APIError(400, f"messages: {e}", "invalid_messages") from e
+        p = body.prompt
+        if isinstance(p, str):
+            return tok.encode(p)
+        if p and isinstance(p[0], int):
+            return list(p)
+        if len(p) == 1:
+            return tok.encode(p[0]) if isinstance(p[0], str) else list(p[0])
+        raise APIError(400, "batched prompts are not supported by workers; send one per request")
+
+    async def handle(body: CompletionBody | ChatBody, request: Request, chat: bool):
+        ids = prompt_ids(body)
+        params = _params(body)
+        rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kvp = body.kv_transfer_params
+        obj = "chat.completion" if chat else "text_completion"
+        if kvp is not None and kvp.do_remote_decode and state.settings.role in ("prefill", "colocated"):
+            resp = await run_prefill(state, rid, ids, params, None)
+            text = tok.decode([resp.first_token_id])
+            out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
+            if out_kvp is not None:
+                out_kvp["tp_size"] = 1
+            return JSONResponse(_body(obj, rid, created, core.model_id, text, [resp.first_token_id],
+                                      resp.finish_reason or "length", len(ids), 1, chat, out_kvp))
+        output_ids: list[int] = []
+        if kvp is not None and kvp.do_remote_prefill and state.settings.role == "prefill":
+            raise APIError(400, "this is a prefill worker; send the decode leg to a decode worker")
+        req = GenerateRequest(request_id=rid, prompt_token_ids=ids, output_token_ids=output_ids,
+                              sampling=params.to_options(), kv_transfer_params=kvp)
+        items = stream_generate(state, req, params)
+        if body.stream:
+            first = await anext(items)
+
+            async def sse():
+                sent = ""  # cumulative text: deltas never split a multi-byte character
+                async for out, _ in _prepend(first, items):
+                    delta, sent = out.text[len(sent):], out.text
+                    yield _sse_chunk(obj, rid, created, core.model_id, delta, out.new_token_ids,
+                                     out.finish_reason, chat)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        last = None
+        async for last, _ in items:  # noqa: B007
+            pass
+        return JSONResponse(_body(obj, rid, created, core.model_id, last.text, last.token_ids,
+                                  last.finish_reason, len(ids), len(last.token_ids), chat, None))
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": core.model_id, "object": "model",
+                                            "owned_by": "tandem", "max_model_len": core.max_model_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        return await handle(body, request, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        return await handle(body, request, chat=True)
+
+    @router.post("/v1/completions/render")
+    async def render_completion(body: CompletionBody) -> dict:
+        ids = prompt_ids(body)
+        return {"prompt_token_ids": ids, "token_ids": ids, "num_tokens": len(ids)}
+
+    @router.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatBody) -> dict:
+        ids = prompt_ids(body)
+        return {"prompt": tok.apply_chat_template(body.messages), "prompt_token_ids": ids,
+                "token_ids": ids, "num_tokens": len(ids)}
+
+    return router
+
+
+async def _prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _body(obj, rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": token_ids}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+        choice["logprobs"] = None
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                      "total_tokens": n_prompt + n_out}}
+    if kvp is not None:
+        body["kv_transfer_params"] = kvp
+    return body
+
+
+def _sse_chunk(obj, rid, created, model, delta, token_ids, finish, chat) -> bytes:
+    import json
+
+    if chat:
+        choice = {"index": 0, "delta": {"content": delta}, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta, "finish_reason": finish}
+    choice["token_ids"] = token_ids
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    return f"data: {json.dumps(chunk)}\n\n".encode()

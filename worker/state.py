@@ -1,0 +1,111 @@
+"""Everything one worker process holds, built in the app's lifespan and torn down with it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from common.registry import RedisKeys, WorkerPublisher
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kv_transfer.connector import KVConnector
+from kv_transfer.layout import KVLayout
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.transport import TransportConfig, default_transport_name
+from worker.metrics import WorkerMetrics
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    settings: WorkerSettings
+    registry: CollectorRegistry
+    metrics: WorkerMetrics
+    engine: AsyncEngine | None = None
+    connector: KVConnector | None = None
+    publisher: WorkerPublisher | None = None
+    ready: bool = False
+    num_prefill_inflight: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def core(self) -> LLMEngine:
+        return self.engine.engine
+
+    async def start(self) -> None:
+        s = self.settings
+        config = EngineConfig(
+            model=s.model, model_id=s.model_id, cache_dir=s.cache_dir, device=s.device,
+            dtype=s.dtype, block_size=s.block_size, num_blocks=s.num_blocks,
+            kv_memory_bytes=int(s.kv_memory_gb * (1 << 30)), max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
+            num_threads=s.threads,
+        )
+        core = await asyncio.to_thread(LLMEngine, config)
+        self.engine = AsyncEngine(core, on_events=self._on_events)
+        self.engine.start()
+        if s.role != "colocated":
+            transport = s.transport or default_transport_name()
+            tconfig = TransportConfig(engine_id=s.resolved_worker_id, token=s.internal_token,
+                                      listen_host=s.host, advertise_host=s.advertise_host,
+                                      port=s.transport_port, pull_timeout_s=s.pull_timeout_s)
+            self.connector = KVConnector(
+                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_id), tconfig, transport,
+                release=lambda rid: self.engine.post(core.release, rid),
+                lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
+            )
+            await self.connector.start()
+            log.info("kv transfer: %s (%s)", transport, self.connector.transport.label)
+        if s.redis_url:
+            self.publisher = WorkerPublisher(
+                s.redis_url, RedisKeys(s.namespace), s.resolved_worker_id, self.registration_info(),
+                snapshot=self._snapshot, load=self.load, ttl_s=s.heartbeat_ttl_s)
+            self.publisher.start()
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.connector is not None:
+            await self.connector.close()
+        if self.engine is not None:
+            await self.engine.stop()
+
+    def _on_events(self, events) -> None:
+        if self.publisher is not None:
+            self.publisher.on_events(events)
+
+    async def _snapshot(self) -> list[int]:
+        def take() -> list[int]:
+            self.core.drain_events()  # already reflected in the snapshot
+            return self.core.pool.cached_hashes()
+
+        return await self.engine.call(take)
+
+    def registration_info(self) -> dict:
+        s, core = self.settings, self.core
+        return {
+            "role": s.role, "url": s.url, "model": core.model_id, "block_size": core.block_size,
+            "capacity": core.num_blocks, "engine_id": s.resolved_worker_id,
+            "transport": self.connector.transport.name if self.connector else "",
+            "max_model_len": core.max_model_len, "started_at": self.started_at,
+        }
+
+    def load(self) -> dict:
+        core = self.core
+        return {
+            "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
+            "free_blocks": core.pool.num_free_blocks, "num_blocks": core.num_blocks,
+            "held": len(core.held), "importing": len(core.importing),
+            "prefill_inflight": self.num_prefill_inflight,
+            "waiting_tokens": sum(seq.num_tokens - seq.num_computed_tokens
+                                  for seq in list(core.scheduler.waiting)),
+        }
