@@ -41,7 +41,8 @@ class KVConnector:
         lease_seconds: float = 30.0,
         metrics: TransferMetrics | None = None,
         http: httpx.AsyncClient | None = None,
-        watch_interval_s: float = 0.005,
+        watch_interval_s: float = 0.001,
+        idle_interval_s: float = 0.05,
     ) -> None:
         self.layout = layout
         self.config = config
@@ -53,6 +54,7 @@ class KVConnector:
         self._own_http = http is None
         self._peers: dict[str, PeerMetadata] = {}
         self._watch_interval_s = watch_interval_s
+        self._idle_interval_s = idle_interval_s
         self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -118,7 +120,8 @@ class KVConnector:
             for _ in self.leases.expire():
                 if self.metrics:
                     self.metrics.leases.labels("expired").inc()
-            await asyncio.sleep(self._watch_interval_s)
+            # Polling drives the transport's progress, so poll fast only while exports are out.
+            await asyncio.sleep(self._watch_interval_s if len(self.leases) else self._idle_interval_s)
 
     # ---- receiving side -----------------------------------------------------------------------
 

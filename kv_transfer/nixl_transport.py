@@ -81,7 +81,10 @@ class NixlTransport:
         nixl = _import_nixl()
         if nixl is None:
             raise TransferError("NIXL is not installed (pip install nixl-cu12)")
-        cfg = nixl.nixl_agent_config(backends=["UCX"])
+        # No progress thread: NIXL's spins a core at 100% even when idle. Progress is made by our
+        # own polling instead (the receiver while a pull runs, the sender's lease watcher while
+        # it has exports out).
+        cfg = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = nixl.nixl_agent(self.config.engine_id, cfg)
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend")

@@ -37,8 +37,13 @@ def sampling_params(options) -> SamplingParams:
 
 
 async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
-                      params: SamplingParams, lease_seconds: float | None) -> PrefillResponse:
-    """Prefill to the first token; keep and export the prompt's blocks unless already finished."""
+                      params: SamplingParams, lease_seconds: float | None,
+                      always_export: bool = False) -> PrefillResponse:
+    """Prefill to the first token; keep and export the prompt's blocks unless already finished.
+
+    `always_export` is vLLM's semantics: the proxy caps the prefill leg at `max_tokens: 1` and the
+    decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
+    """
     s = state.settings
     if state.num_prefill_inflight >= s.max_queue:
         state.metrics.shed.inc()
@@ -58,7 +63,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     if out.finish_reason == "abort":
         raise APIError(503, "request was aborted", "aborted")
     _observe_first_token(state, out, "prefill")
-    done = out.finish_reason == "stop" or params.max_tokens <= 1
+    done = not always_export and (out.finish_reason == "stop" or params.max_tokens <= 1)
     kv = KVTransferParams()
     if done or state.connector is None:
         await engine.call(core.release, request_id)

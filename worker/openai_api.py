@@ -102,7 +102,8 @@ def openai_router(state: WorkerState) -> APIRouter:
         kvp = body.kv_transfer_params
         obj = "chat.completion" if chat else "text_completion"
         if kvp is not None and kvp.do_remote_decode and state.settings.role in ("prefill", "colocated"):
-            resp = await run_prefill(state, rid, ids, params, None)
+            resp = await run_prefill(state, rid, ids, params, None, always_export=True)
+            state.metrics.requests.labels("openai_prefill", "200").inc()
             text = tok.decode([resp.first_token_id])
             out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
             if out_kvp is not None:
@@ -115,6 +116,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         req = GenerateRequest(request_id=rid, prompt_token_ids=ids, output_token_ids=output_ids,
                               sampling=params.to_options(), kv_transfer_params=kvp)
         items = stream_generate(state, req, params)
+        state.metrics.requests.labels("openai_decode" if kvp else "openai", "200").inc()
         if body.stream:
             first = await anext(items)
 

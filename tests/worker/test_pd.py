@@ -80,7 +80,7 @@ def test_multi_turn_pulls_only_missing_blocks(pd, reference):
 def test_32_concurrent_requests_and_resources_return(pd, reference):
     p, d = pd
     ps = [[(7 * i + 3 * j) % 256 for j in range(5 + (i % 9) * 3)] for i in range(32)]
-    start_p, start_d = p.metrics(), d.metrics()
+    start_p = p.metrics()
     with cf.ThreadPoolExecutor(32) as pool:
         results = list(pool.map(lambda a: pd_generate(p, d, f"conc-{a[0]}", a[1], GREEDY)[0],
                                 enumerate(ps)))
