@@ -51,7 +51,8 @@ async def sender_main(transport: str, num_blocks: int) -> None:
     cache = make_cache(num_blocks)
     connector = KVConnector(cache, KVLayout.of_cache(cache, "smollm2-135m-instruct"),
                             TransportConfig(engine_id=f"bench-{transport}-P"), transport,
-                            release=lambda rid: None, watch_interval_s=0.0005)
+                            release=lambda rid: None, watch_interval_s=0.0005,
+                            idle_interval_s=0.0005)  # raw reads hold no lease but need progress too
     await connector.start()
     app = FastAPI()
     app.include_router(metadata_router(connector, None))
