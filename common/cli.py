@@ -121,6 +121,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    kwargs = dict(host=args.host, port=args.port, model=args.model, cache_dir=_cache_dir(args.cache_dir),
+                  block_size=args.block_size, redis_url=args.redis_url, namespace=args.namespace,
+                  workers=args.worker or [], policy=args.policy,
+                  internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"))
+    if args.tokenizer:
+        kwargs["tokenizer_path"] = Path(args.tokenizer)
+    uvicorn.run(create_app(RouterSettings(**kwargs)), host=args.host, port=args.port,
+                log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -149,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(role, help=text)
         _add_worker_args(p, port)
         p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("router", help="serve the OpenAI-compatible gateway")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="served model name")
+    p.add_argument("--tokenizer", default=None, help="model folder with the tokenizer "
+                   "(default: the prepared model in the cache dir)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--worker", action="append", help="static worker, e.g. decode=http://127.0.0.1:8300")
+    p.add_argument("--policy", default="kv_aware",
+                   choices=["kv_aware", "round_robin", "least_loaded", "random"])
+    p.add_argument("--internal-token", default=None)
+    p.set_defaults(func=cmd_router)
     return parser
 
 

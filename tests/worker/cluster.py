@@ -110,3 +110,55 @@ def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampli
     events = d.generate(request_id, prompt, sampling, [first], pre["kv_transfer_params"])
     tokens = [first] + [t for ev in events for t in ev["token_ids"]]
     return tokens, events[-1]
+
+
+class Router:
+    """A real `tandem router` process over Redis discovery."""
+
+    def __init__(self, tokenizer_folder: Path, namespace: str, *, cache_dir: Path,
+                 policy: str = "kv_aware", block_size: int = 4, token: str | None = TOKEN,
+                 redis_url: str = REDIS_URL, extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "common.cli", "router", "--model", tokenizer_folder.name,
+               "--tokenizer", str(tokenizer_folder), "--block-size", str(block_size),
+               "--redis-url", redis_url, "--namespace", namespace, "--port", str(self.port),
+               "--policy", policy]
+        if token:
+            cmd += ["--internal-token", token]
+        cmd += extra or []
+        self.log = open(cache_dir / f"router-{self.port}.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def wait_workers(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                r = self.client.get("/ready")
+                if r.status_code == 200 and len(r.json()["workers"]) >= n:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"router did not see {n} workers")
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.client.close()
+        self.log.close()

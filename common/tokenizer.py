@@ -1,0 +1,106 @@
+"""Tokenizer and chat template for a model folder, via `tokenizers` and `jinja2` only
+(no transformers import at serving time)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class ChatTemplateError(ValueError):
+    """The conversation does not fit the model's chat template (raised by the template itself)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        cfg_file = folder / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cfg.get("chat_template")
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._compiled: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        return TextStream(self, skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template")
+        if not messages:
+            raise ChatTemplateError("messages must not be empty")
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = env.from_string(self.chat_template)
+        return self._compiled.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # As transformers does: the template already carries the special tokens.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
+
+class TextStream:
+    """Incremental detokenizer: feed token ids, get the text they add (handles multi-byte runs)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tok = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok

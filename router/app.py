@@ -1,0 +1,373 @@
+"""`create_app(settings)`: the OpenAI-compatible gateway.
+
+Per request: validate, apply the chat template, tokenize, hash the blocks, one Redis round trip
+for every live worker's leading match, pick a plan (policy), run it (dispatch), relay tokens as
+OpenAI JSON or SSE. The router never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.errors import APIError, install_error_handlers
+from common.hashing import BlockHasher
+from common.protocol import SamplingOptions
+from common.registry import RedisKeys
+from common.tokenizer import ChatTemplateError, Tokenizer
+from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
+from router.index import MemoryPrefixIndex, RedisPrefixIndex
+from router.metrics import RouterMetrics
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.policy import NoWorkers, RouteContext, make_policy
+from router.settings import RouterSettings
+from router.workers import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    tokenizer = Tokenizer(settings.tokenizer_folder)
+    hasher = BlockHasher(settings.model, settings.block_size, settings.hash_salt)
+    keys = RedisKeys(settings.namespace)
+    directory = WorkerDirectory(keys, settings.workers, settings.breaker_failures,
+                                settings.breaker_cooldown_s)
+    policy = make_policy(settings.policy, settings)
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0),
+                                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+        state["dispatch"] = Dispatcher(http, directory, settings.internal_token,
+                                       settings.max_prefill_retries, settings.retry_backoff_s)
+        tasks = []
+        if settings.redis_url:
+            import redis.asyncio as aioredis
+
+            redis = aioredis.from_url(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            state["index"] = RedisPrefixIndex(redis, keys)
+            await directory.refresh(redis)
+            tasks.append(asyncio.create_task(directory.run(redis, settings.refresh_interval_s)))
+        else:
+            log.warning("no Redis configured: in-process prefix index (learns from routing only)")
+            redis = None
+            state["index"] = MemoryPrefixIndex()
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await http.aclose()
+            if redis is not None:
+                await redis.aclose()
+
+    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
+            from common.errors import error_body
+
+            return JSONResponse(error_body(413, f"request body over {settings.max_body_bytes} bytes",
+                                           "request_too_large"), 413)
+        return await call_next(request)
+
+    async def route(prompt: list[int]):
+        t0 = time.perf_counter()
+        hashes = hasher(prompt)
+        prefill, decode = directory.live("prefill"), directory.live("decode")
+        colocated = directory.live("colocated")
+        ids = [w.worker_id for w in prefill + decode + colocated]
+        try:
+            matches = await state["index"].match(hashes, ids)
+            metrics.redis_up.set(1)
+        except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
+            log.warning("prefix index unavailable (%s): load-only routing", e)
+            metrics.redis_up.set(0)
+            matches = dict.fromkeys(ids, 0)
+        ctx = RouteContext(len(prompt), len(hashes), matches, prefill, decode, colocated,
+                           settings.block_size)
+        try:
+            plan = policy.choose(ctx)
+        except NoWorkers as e:
+            raise APIError(503, str(e), "no_workers", headers={"Retry-After": "1"}) from e
+        state["index"].record((plan.prefill or plan.decode).worker_id, hashes)
+        metrics.route.labels(plan.kind).inc()
+        metrics.overhead.observe(time.perf_counter() - t0)
+        return plan
+
+    def sampling(body, n_index: int) -> SamplingOptions:
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or settings.max_tokens_default
+        lp = body.top_logprobs if isinstance(body, ChatCompletionRequest) and body.logprobs else None
+        if isinstance(body, CompletionRequest):
+            lp = body.logprobs
+        try:
+            return SamplingOptions(
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                seed=None if body.seed is None else body.seed + n_index, max_tokens=max_tokens,
+                stop=body.stop, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, logprobs=lp)
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request") from e
+
+    def prompt_ids(body) -> list[int]:
+        if body.model != settings.model:
+            raise APIError(404, f"model {body.model!r} does not exist; this router serves {settings.model!r}",
+                           "model_not_found", "model")
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                ids = tokenizer.encode_chat(body.messages)
+            except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
+                raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
+        else:
+            p = body.prompt
+            if isinstance(p, str):
+                ids = tokenizer.encode(p)
+            elif p and isinstance(p[0], int):
+                ids = list(p)
+            elif len(p) == 1:
+                ids = tokenizer.encode(p[0]) if isinstance(p[0], str) else list(p[0])
+            else:
+                raise APIError(400, "send one prompt per request", "invalid_prompt", "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
+        limit = directory.max_model_len(settings.max_model_len_default)
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 0
+        if len(ids) + max(max_tokens, 1) > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
+                           f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
+                           "context_length_exceeded", "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        return ids
+
+    async def run_one(body, prompt: list[int], idx: int, rid: str):
+        """Yields (token_ids, finish_reason, trace) as they come; applies stop strings on text."""
+        opts = sampling(body, idx)
+        plan = await route(prompt)
+        trace = Trace(plan.kind)
+        dispatch: Dispatcher = state["dispatch"]
+        try:
+            async for ev in dispatch.run(plan, rid, prompt, opts, trace):
+                yield ev, trace
+        except RequestRejected as e:
+            raise APIError(e.status, str(e), "rejected_by_worker") from e
+        except WorkerFailure as e:
+            metrics.requests.labels("503").inc()
+            raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
+                           headers={"Retry-After": "1"}) from e
+
+    async def complete(body, chat: bool, request: Request):
+        t_start = time.perf_counter()
+        prompt = prompt_ids(body)
+        rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        metrics.prompt_tokens.inc(len(prompt) * body.n)
+        obj = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        if body.stream:
+            if body.n != 1:
+                raise APIError(400, "streaming supports n=1 only", "invalid_request", "n")
+            gen = run_one(body, prompt, 0, rid)
+            try:
+                first = await anext(gen)
+            except StopAsyncIteration:
+                first = None
+            return StreamingResponse(_sse(first, gen, body, chat, rid, created, prompt, t_start),
+                                     media_type="text/event-stream")
+        results = await asyncio.gather(*[_collect(run_one(body, prompt, i, f"{rid}-{i}" if body.n > 1 else rid),
+                                                  body, t_start) for i in range(body.n)])
+        choices = []
+        n_out = 0
+        for i, (tokens, text, finish, _trace) in enumerate(results):
+            n_out += len(tokens)
+            c = {"index": i, "finish_reason": finish}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+                c["logprobs"] = None
+            else:
+                c["text"] = text
+                c["logprobs"] = None
+            choices.append(c)
+        metrics.requests.labels("200").inc()
+        trace = results[0][3]
+        timing = _timing(trace, t_start)
+        out = {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": choices,
+               "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                         "total_tokens": len(prompt) + n_out}, "tandem": timing}
+        return JSONResponse(out, headers={"x-tandem-timing": json.dumps(timing)})
+
+    async def _collect(gen, body, t_start):
+        tokens: list[int] = []
+        finish, trace = None, None
+        first = True
+        async for ev, trace in gen:  # noqa: B007 - the last trace is kept
+            if first:
+                metrics.ttft.observe(time.perf_counter() - t_start)
+                first = False
+            tokens.extend(ev.token_ids)
+            finish = ev.finish_reason or finish
+        # Same incremental detokenizer as the stream (and the engine): identical text either way.
+        stream = tokenizer.decode_stream()
+        text, finish = _cut_stops("".join(stream.step(t) for t in tokens), body.stop, finish)
+        metrics.completion_tokens.inc(len(tokens))
+        metrics.latency.observe(time.perf_counter() - t_start)
+        _observe_trace(trace)
+        return tokens, text, finish, trace
+
+    def _observe_trace(trace: Trace | None) -> None:
+        if trace is None:
+            return
+        pool = "prefill" if trace.plan == "disagg" else "decode"
+        metrics.hit_tokens.labels(pool).inc(trace.num_cached_tokens)
+        if trace.prefill_s:
+            metrics.prefill.observe(trace.prefill_s)
+        if trace.retries:
+            metrics.retries.labels("prefill").inc(trace.retries)
+        if trace.resumed:
+            metrics.retries.labels("resume").inc(trace.resumed)
+
+    async def _sse(first, gen, body, chat, rid, created, prompt, t_start):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        stream = tokenizer.decode_stream()
+        stops = body.stop
+        hold = max((len(s) for s in stops), default=1) - 1
+        text_sent, text_all = 0, ""
+        n_out = 0
+        trace = None
+        last_t = None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: str, finish):
+            if chat:
+                choice = {"index": 0, "delta": {"content": delta} if delta or finish is None else {},
+                          "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": [choice]}
+
+        if chat:
+            role = chunk("", None)
+            role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield _data(role)
+        finish = None
+        try:
+            items = [] if first is None else [first]
+            async for ev, trace in _chain(items, gen):  # noqa: B007 - the last trace is kept
+                now = time.perf_counter()
+                if last_t is None:
+                    metrics.ttft.observe(now - t_start)
+                else:
+                    metrics.itl.observe(now - last_t)
+                last_t = now
+                n_out += len(ev.token_ids)
+                for t in ev.token_ids:
+                    text_all += stream.step(t)
+                cut, reason = _cut_stops(text_all, stops, ev.finish_reason)
+                if reason == "stop" and len(cut) < len(text_all):
+                    text_all, finish = cut, "stop"
+                else:
+                    finish = ev.finish_reason
+                safe = len(text_all) if finish else max(text_sent, len(text_all) - hold)
+                if safe > text_sent:
+                    yield _data(chunk(text_all[text_sent:safe], None))
+                    text_sent = safe
+                if finish:
+                    break
+            final = chunk("", finish or "stop")
+            final["tandem"] = _timing(trace, t_start)
+            yield _data(final)
+            if include_usage:
+                usage = {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": [],
+                         "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                                   "total_tokens": len(prompt) + n_out}}
+                yield _data(usage)
+            yield b"data: [DONE]\n\n"
+            metrics.requests.labels("200").inc()
+            metrics.completion_tokens.inc(n_out)
+            metrics.latency.observe(time.perf_counter() - t_start)
+            _observe_trace(trace)
+        except APIError as e:
+            yield _data({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            await gen.aclose()  # client gone: closing the worker stream aborts both legs
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await complete(body, True, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await complete(body, False, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
+                                            "owned_by": "tandem"}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        live = directory.live()
+        ok = any(w.role in ("decode", "colocated") for w in live)
+        return JSONResponse({"ready": ok, "workers": {w.worker_id: w.role for w in live},
+                             "redis": directory.redis_ok}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        for role in ("prefill", "decode", "colocated"):
+            metrics.workers.labels(role).set(len(directory.live(role)))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.directory = directory
+    return app
+
+
+def _cut_stops(text: str, stops: list[str], finish):
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (best is None or i < best):
+            best = i
+    if best is None:
+        return text, finish
+    return text[:best], "stop"
+
+
+def _timing(trace: Trace | None, t_start: float) -> dict:
+    if trace is None:
+        return {}
+    wt = trace.worker_timing
+    return {"plan": trace.plan, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
+            "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
+            "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
+            "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
+            "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback}
+
+
+def _data(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _chain(first: list, rest):
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item

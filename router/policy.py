@@ -1,0 +1,158 @@
+"""Routing policies behind one Protocol and a name table (`POLICIES`).
+
+Every policy sees the same `RouteContext` and returns a `Plan`:
+- `disagg`: prefill on a prefill worker, then decode on a decode worker (KV pulled);
+- `decode_local`: the decode worker prefills itself (conditional disaggregation: it already
+  holds most of the prompt, so few uncached tokens are cheaper to compute than to fetch);
+- `colocated`: one colocated worker does both (fallback when a pool is empty).
+
+`kv_aware` predicts the time to first token of each candidate plan and picks the minimum; near
+ties go to the less loaded worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.settings import RouterSettings
+from router.workers import WorkerInfo
+
+
+@dataclass
+class RouteContext:
+    num_tokens: int
+    num_blocks: int  # full blocks of the prompt
+    matches: dict[str, int]  # leading matched blocks per worker id
+    prefill: list[WorkerInfo]
+    decode: list[WorkerInfo]
+    colocated: list[WorkerInfo]
+    block_size: int
+
+
+@dataclass
+class Plan:
+    kind: str  # disagg | decode_local | colocated
+    decode: WorkerInfo
+    prefill: WorkerInfo | None = None
+    predicted_s: float | None = None
+    cached_blocks: int = 0  # on the worker that prefills
+
+
+class NoWorkers(RuntimeError):
+    pass
+
+
+class Policy(Protocol):
+    def __init__(self, settings: RouterSettings) -> None: ...
+
+    def choose(self, ctx: RouteContext) -> Plan: ...
+
+
+def _default_plan(ctx: RouteContext, pick) -> Plan:
+    if ctx.prefill and ctx.decode:
+        p, d = pick(ctx.prefill, "p"), pick(ctx.decode, "d")
+        return Plan("disagg", d, p, cached_blocks=ctx.matches.get(p.worker_id, 0))
+    pool = ctx.colocated or ctx.decode
+    if pool:
+        w = pick(pool, "c")
+        return Plan("colocated" if w.role == "colocated" else "decode_local", w,
+                    cached_blocks=ctx.matches.get(w.worker_id, 0))
+    raise NoWorkers("no live decode or colocated worker")
+
+
+class RoundRobinPolicy:
+    def __init__(self, settings: RouterSettings) -> None:
+        self._counters: dict[str, itertools.count] = {}
+
+    def choose(self, ctx: RouteContext) -> Plan:
+        def pick(pool, tag):
+            n = next(self._counters.setdefault(tag, itertools.count()))
+            return sorted(pool, key=lambda w: w.worker_id)[n % len(pool)]
+
+        return _default_plan(ctx, pick)
+
+
+class RandomPolicy:
+    def __init__(self, settings: RouterSettings) -> None:
+        self._rng = random.Random()
+
+    def choose(self, ctx: RouteContext) -> Plan:
+        return _default_plan(ctx, lambda pool, tag: self._rng.choice(pool))
+
+
+class LeastLoadedPolicy:
+    def __init__(self, settings: RouterSettings) -> None:
+        pass
+
+    def choose(self, ctx: RouteContext) -> Plan:
+        return _default_plan(ctx, lambda pool, tag: min(pool, key=_load_key))
+
+
+def _load_key(w: WorkerInfo) -> tuple:
+    return (w.inflight + w.running() + int(w.load.get("waiting", 0)), w.queued_tokens(), w.worker_id)
+
+
+class KVAwarePolicy:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.s = settings
+        self._fleet_rate: float | None = None
+
+    def _rate(self, w: WorkerInfo) -> float:
+        # Unmeasured workers are assumed as fast as the measured ones (same model everywhere).
+        return w.prefill_tokens_per_s or self._fleet_rate or self.s.default_prefill_tokens_per_s
+
+    def _prefill_s(self, w: WorkerInfo, ctx: RouteContext) -> tuple[float, int]:
+        cached = ctx.matches.get(w.worker_id, 0)
+        uncached = max(ctx.num_tokens - cached * ctx.block_size, 1)
+        return (w.queued_tokens() + uncached) / self._rate(w), cached
+
+    def choose(self, ctx: RouteContext) -> Plan:
+        s = self.s
+        rates = [w.prefill_tokens_per_s for w in ctx.prefill + ctx.decode + ctx.colocated
+                 if w.prefill_tokens_per_s]
+        self._fleet_rate = sum(rates) / len(rates) if rates else None
+        candidates: list[tuple[float, tuple, Plan]] = []
+        for d in ctx.decode:
+            held = ctx.matches.get(d.worker_id, 0)
+            uncached = ctx.num_tokens - held * ctx.block_size
+            if not ctx.prefill or (uncached <= s.local_prefill_max_uncached_tokens and
+                                   held * ctx.block_size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
+                # Local prefill on D slows its running decodes: charge for that interference.
+                t_local, cached = self._prefill_s(d, ctx)
+                t_local *= 1 + s.local_prefill_interference * d.running()
+                candidates.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
+            # Missing full blocks plus the partial tail block always move.
+            missing = max(ctx.num_blocks - held, 0) + (ctx.num_tokens % ctx.block_size > 0)
+            transfer_s = s.transfer_fixed_s + missing * s.bytes_per_block / s.default_transfer_bytes_per_s
+            for p in ctx.prefill:
+                t_p, cached_p = self._prefill_s(p, ctx)
+                t = t_p + s.transfer_weight * transfer_s
+                candidates.append((t, _load_key(p) + _load_key(d), Plan("disagg", d, p, t, cached_p)))
+        for c in ctx.colocated:
+            t, cached = self._prefill_s(c, ctx)
+            t *= 1 + s.local_prefill_interference * c.running()
+            candidates.append((t, _load_key(c), Plan("colocated", c, None, t, cached)))
+        if not candidates:
+            raise NoWorkers("no live decode or colocated worker")
+        best = min(c[0] for c in candidates)
+        near = [c for c in candidates if c[0] <= best + s.near_tie_s]
+        # Among near ties prefer disaggregation (keeps prefill off decode workers), then load.
+        near.sort(key=lambda c: (c[2].kind != "disagg", c[1], c[0]))
+        return near[0][2]
+
+
+POLICIES: dict[str, type] = {
+    "kv_aware": KVAwarePolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "random": RandomPolicy,
+}
+
+
+def make_policy(name: str, settings: RouterSettings) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
+    return POLICIES[name](settings)

@@ -1,0 +1,49 @@
+"""Router settings, built once at the edge (CLI flags over TANDEM_ROUTER_* variables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"  # served model name; also the tokenizer folder's name
+    tokenizer_path: Path | None = None  # default: {cache_dir}/models/{model}
+    cache_dir: Path = Path.home() / ".cache" / "tandem"
+    block_size: int = 16
+    hash_salt: str | None = None
+    redis_url: str | None = None
+    namespace: str = "default"
+    workers: list[str] = []  # static "role=url" entries, e.g. "prefill=http://127.0.0.1:8200"
+    internal_token: str | None = None
+    policy: str = "kv_aware"
+    refresh_interval_s: float = 0.5
+    request_timeout_s: float = 300.0
+    max_prefill_retries: int = 2
+    retry_backoff_s: float = 0.05
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    max_tokens_default: int = 256
+    # kv_aware cost model (seconds); every weight and threshold is a setting.
+    default_prefill_tokens_per_s: float = 1000.0
+    default_transfer_bytes_per_s: float = 2e9
+    bytes_per_block: int = 368_640
+    transfer_weight: float = 1.0
+    transfer_fixed_s: float = 0.005  # second leg: HTTP call, handshake, notification
+    max_body_bytes: int = 4 << 20
+    max_model_len_default: int = 8192
+    local_prefill_interference: float = 0.05  # extra cost per running decode on the D worker
+    # Conditional disaggregation: a decode worker prefills locally only when it already holds
+    # most of the prompt and what is left is short (else prefill belongs on the prefill pool).
+    local_prefill_max_uncached_tokens: int = 256
+    local_prefill_min_cached_fraction: float = 0.5
+    near_tie_s: float = 0.002
+
+    @property
+    def tokenizer_folder(self) -> Path:
+        return self.tokenizer_path or self.cache_dir / "models" / self.model

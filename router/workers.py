@@ -1,0 +1,126 @@
+"""The live worker set: discovered from Redis (`worker:*` keys, present only while a worker's
+heartbeat refreshes them) and/or a static list, with a circuit breaker per worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from common.registry import RedisKeys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    url: str
+    model: str = ""
+    block_size: int = 16
+    capacity: int = 0
+    max_model_len: int | None = None
+    load: dict = field(default_factory=dict)
+    static: bool = False
+    # Circuit breaker and measured rates (kept across refreshes).
+    failures: int = 0
+    open_until: float = 0.0
+    prefill_tokens_per_s: float | None = None
+    inflight: int = 0  # requests this router has on the worker now
+    inflight_tokens: int = 0  # uncached prompt tokens of the prefills among them
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens ahead of a new prefill: the worker's last report, or this router's own
+        in-flight count when that is higher (reports lag by up to a heartbeat)."""
+        return max(int(self.load.get("waiting_tokens", 0)), self.inflight_tokens)
+
+    def running(self) -> int:
+        return int(self.load.get("running", 0))
+
+
+class WorkerDirectory:
+    def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
+                 breaker_cooldown_s: float = 5.0) -> None:
+        self.keys = keys
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_s = breaker_cooldown_s
+        self.workers: dict[str, WorkerInfo] = {}
+        self.redis_ok: bool | None = None
+        for i, entry in enumerate(static):
+            role, _, url = entry.partition("=")
+            if not url or role not in ("prefill", "decode", "colocated"):
+                raise ValueError(f"static worker {entry!r} must look like prefill=http://host:port")
+            wid = f"static-{role}-{i}"
+            self.workers[wid] = WorkerInfo(wid, role, url.rstrip("/"), static=True)
+
+    def max_model_len(self, default: int) -> int:
+        lens = [w.max_model_len for w in self.workers.values() if w.max_model_len]
+        return min(lens) if lens else default
+
+    def live(self, role: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if (role is None or w.role == role) and w.available]
+
+    async def refresh(self, redis) -> None:
+        """Replace the Redis-discovered workers with those whose keys exist now."""
+        try:
+            keys = [k async for k in redis.scan_iter(match=self.keys.worker_pattern, count=500)]
+            pipe = redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(k)
+            infos = await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - any Redis failure: keep the last view
+            if self.redis_ok is not False:
+                log.warning("redis unavailable (%s): routing on the last known workers and load only", e)
+            self.redis_ok = False
+            return
+        self.redis_ok = True
+        seen = set()
+        for key, raw in zip(keys, infos, strict=True):
+            if not raw:
+                continue
+            info = {k.decode(): v.decode() for k, v in raw.items()}
+            wid = (key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[-1]
+            seen.add(wid)
+            w = self.workers.get(wid)
+            if w is None:
+                w = self.workers[wid] = WorkerInfo(wid, info.get("role", "colocated"), info["url"])
+                log.info("worker joined: %s (%s at %s)", wid, w.role, w.url)
+            w.role, w.url = info.get("role", w.role), info.get("url", w.url)
+            w.model = info.get("model", "")
+            w.block_size = int(info.get("block_size", 16))
+            w.capacity = int(info.get("capacity", 0))
+            w.max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
+            try:
+                w.load = json.loads(info.get("load", "{}"))
+            except json.JSONDecodeError:
+                w.load = {}
+        for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
+            log.info("worker left: %s", wid)
+            del self.workers[wid]
+
+    async def run(self, redis, interval_s: float) -> None:
+        while True:
+            await self.refresh(redis)
+            await asyncio.sleep(interval_s)
+
+    def record_failure(self, w: WorkerInfo) -> None:
+        w.failures += 1
+        if w.failures >= self.breaker_failures:
+            w.open_until = time.monotonic() + self.breaker_cooldown_s
+            log.warning("circuit open for %s for %.1f s", w.worker_id, self.breaker_cooldown_s)
+
+    def record_success(self, w: WorkerInfo) -> None:
+        w.failures = 0
+        w.open_until = 0.0
+
+    def mark_dead(self, w: WorkerInfo) -> None:
+        """A connection error: stop routing there until its key says otherwise or cooldown ends."""
+        w.failures = self.breaker_failures
+        w.open_until = time.monotonic() + self.breaker_cooldown_s

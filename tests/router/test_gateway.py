@@ -1,0 +1,135 @@
+"""The router as users touch it: the official `openai` client against real processes (router,
+prefill and decode workers, Redis)."""
+
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.worker.cluster import Router, Worker
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("router")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    return LLM(str(tiny_folder), num_blocks=512, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_folder, workdir):
+    ns = f"gw-{uuid.uuid4().hex[:6]}"
+    p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=ns)
+    d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=ns)
+    r = Router(tiny_folder, ns, cache_dir=workdir)
+    r.wait_workers(2)
+    yield r, p, d
+    r.close()
+    p.close()
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    r, _, _ = cluster
+    return openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0)
+
+
+MSGS = [{"role": "user", "content": "Tell me about paged attention."}]
+
+
+def test_chat_matches_the_engine_and_reports_usage(client, reference):
+    r = client.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=12,
+                                       temperature=0)
+    want = reference.chat(MSGS, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.model_extra["tandem"]["plan"] in ("disagg", "decode_local")
+
+
+def test_streaming_completion_equals_non_streaming(client):
+    args = dict(model="tiny-random", prompt="Once upon a time", max_tokens=10, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    chat = list(client.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=5,
+                                               temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+
+
+def test_stop_strings_and_seeds(client, reference):
+    base = client.completions.create(model="tiny-random", prompt="abcdef", max_tokens=20,
+                                     temperature=0).choices[0].text
+    stop = next(base[i:i + 2] for i in range(4, len(base) - 2) if base[i:i + 2].isprintable())
+    for stream in (False, True):
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny-random", prompt="abcdef", max_tokens=20, temperature=0, stop=[stop],
+                stream=True) if c.choices)
+        else:
+            text = client.completions.create(model="tiny-random", prompt="abcdef", max_tokens=20,
+                                             temperature=0, stop=[stop]).choices[0].text
+        assert text == base[: base.index(stop)]
+    a, b = (client.completions.create(model="tiny-random", prompt="seed me", max_tokens=12,
+                                      temperature=1.0, seed=123).choices[0].text for _ in range(2))
+    c = client.completions.create(model="tiny-random", prompt="seed me", max_tokens=12,
+                                  temperature=1.0, seed=124).choices[0].text
+    assert a == b != c
+    want = reference.generate("seed me", SamplingParams(temperature=1.0, seed=123, max_tokens=12))[0]
+    assert a == want.text
+    n = client.completions.create(model="tiny-random", prompt="x", max_tokens=3, n=3, temperature=0)
+    assert len(n.choices) == 3 and len({ch.text for ch in n.choices}) == 1
+
+
+def test_errors_have_openai_types_and_the_router_stays_up(cluster, client):
+    r, _, _ = cluster
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-random", messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="tiny-random", prompt="word " * 3000, max_tokens=5)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-random", prompt="x", temperature=-1)
+    bad = httpx.post(f"{r.url}/v1/chat/completions", content=b"{nope",
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    wrong_type = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny-random", "prompt": 5})
+    assert wrong_type.status_code == 400
+    huge = httpx.post(f"{r.url}/v1/completions", content=b"x" * (5 << 20),
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413
+    assert httpx.get(f"{r.url}/health").status_code == 200
+    assert client.models.list().data[0].id == "tiny-random"
+
+
+def test_conditional_disaggregation_when_decode_holds_the_conversation(cluster, client):
+    r, _, d = cluster
+    history = [{"role": "user", "content": "Here is a long shared context about caches. " * 8}]
+    first = client.chat.completions.create(model="tiny-random", messages=history, max_tokens=8,
+                                           temperature=0)
+    assert first.model_extra["tandem"]["plan"] == "disagg"
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "and?"}]
+    time.sleep(0.3)  # the decode worker's block events reach Redis within its flush interval
+    second = client.chat.completions.create(model="tiny-random", messages=history, max_tokens=8,
+                                            temperature=0)
+    t = second.model_extra["tandem"]
+    # D already holds the conversation: a few uncached tokens are cheaper to compute there.
+    assert t["plan"] == "decode_local" and t["num_cached_tokens"] > 0
+    assert r.metrics()['tandem_route_decisions_total{plan="decode_local"}'] >= 1
