@@ -21,8 +21,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/tandem prepare-model
-	$(BIN)/tandem chat --system "You are a concise assistant." \
-		"What is the capital of France? Answer in one sentence."
+	$(BIN)/tandem demo
 
 test: install
 	$(BIN)/tandem prepare-model

@@ -138,6 +138,57 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace):
+    from common.launcher import Cluster
+
+    return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
+                   num_prefill=args.prefill, num_decode=args.decode,
+                   redis_url=None if args.no_redis else args.redis_url, num_blocks=args.num_blocks,
+                   threads=args.threads)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    try:
+        cluster.up()
+        print("[tandem] press Ctrl-C to stop", flush=True)
+        while all(p.poll() is None for _, p in cluster.procs):
+            time.sleep(0.5)
+        print("[tandem] a process exited; shutting down", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.down()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from common.launcher import chat
+
+    cluster = _cluster(args)
+    try:
+        url = cluster.up()
+        question = "What is the capital of France? Answer in one sentence."
+        messages = [{"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": question}]
+        out = chat(url, args.model, messages)
+        print(f"user> {question}")
+        print(f"assistant> {out['choices'][0]['message']['content']}")
+        t = out.get("tandem", {})
+        print(f"[plan {t.get('plan')}: prefill on {t.get('prefill_worker')}, decode on "
+              f"{t.get('decode_worker')}; prefill {t.get('prefill_s', 0):.3f} s, KV transfer "
+              f"{t.get('transfer_s', 0):.3f} s, total {t.get('total_s', 0):.3f} s]")
+        if args.keep:
+            print(f"[tandem] cluster stays up at {url}/v1; press Ctrl-C to stop", flush=True)
+            while True:
+                time.sleep(1)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.down()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -182,6 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["kv_aware", "round_robin", "least_loaded", "random"])
     p.add_argument("--internal-token", default=None)
     p.set_defaults(func=cmd_router)
+
+    for name, func, text in (("up", cmd_up, "start a local cluster (Redis, workers, router)"),
+                             ("demo", cmd_demo, "start a local cluster with SmolLM2 and answer a chat")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--model", default="smollm2-135m-instruct")
+        p.add_argument("--cache-dir", default=None)
+        p.add_argument("--port", type=int, default=8000, help="router port")
+        p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+        p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+        p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+        p.add_argument("--no-redis", action="store_true", help="in-process index, static workers")
+        p.add_argument("--num-blocks", type=int, default=None)
+        p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        if name == "demo":
+            p.add_argument("--keep", action="store_true", help="keep the cluster running afterwards")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -47,3 +47,17 @@ def test_json_logs_carry_request_ids():
     entry = json.loads(JsonFormatter().format(record))
     assert entry["msg"] == "pull failed (boom)" and entry["request_id"] == "req-9"
     assert entry["level"] == "warning" and entry["ts"].endswith("Z")
+
+
+def test_tandem_demo_runs_a_local_cluster_without_redis(tmp_path):
+    """`tandem demo` end to end (workers and router as processes); --no-redis takes the
+    in-process index path, so this runs wherever the CLI does."""
+    out = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--model", "tiny-random", "--cache-dir",
+         str(tmp_path), "--no-redis", "--num-blocks", "128", "--port", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "assistant> " in out.stdout and "[plan disagg" in out.stdout
+    assert "static-prefill-0" in out.stdout and "[tandem] stopped" in out.stdout

@@ -1,0 +1,151 @@
+"""`tandem up` / `tandem demo`: a local cluster of processes (Redis, prefill and decode workers,
+the router) with readable progress and a clean shutdown on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, port)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(msg: str) -> None:
+    print(f"[tandem] {msg}", flush=True)
+
+
+@dataclass
+class Cluster:
+    model: str
+    cache_dir: Path
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis_url: str | None = "redis://127.0.0.1:6379/0"
+    namespace: str = "local"
+    num_blocks: int | None = None
+    threads: int | None = None
+    log_dir: Path = Path(".tandem-logs")
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _redis(self) -> str | None:
+        host, port = "127.0.0.1", 6379
+        if self.redis_url is None:
+            return None
+        if _port_open(host, port):
+            _say(f"using the Redis at {self.redis_url}")
+            return self.redis_url
+        if shutil.which("redis-server"):
+            port = _free_port()
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host, "--save", "",
+                                     "--appendonly", "no"], stdout=open(self.log_dir / "redis.log", "w"),
+                                    start_new_session=True)
+            self.procs.append(("redis", proc))
+            for _ in range(100):
+                if _port_open(host, port):
+                    break
+                time.sleep(0.05)
+            _say(f"started redis-server on {host}:{port}")
+            return f"redis://{host}:{port}/0"
+        _say("warning: no Redis reachable and no redis-server installed; the router uses its "
+             "in-process index (approximate, learns from its own routing)")
+        return None
+
+    def up(self) -> str:
+        redis_url = self._redis()
+        static: list[str] = []
+        common = ["--model", self.model, "--cache-dir", str(self.cache_dir)]
+        if self.num_blocks:
+            common += ["--num-blocks", str(self.num_blocks)]
+        if self.threads:
+            common += ["--threads", str(self.threads)]
+        if redis_url:
+            common += ["--redis-url", redis_url, "--namespace", self.namespace]
+        workers = []
+        for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for i in range(n):
+                port = _free_port()
+                self._spawn(f"{role}-{i}", [role, *common, "--port", str(port)])
+                workers.append((f"{role}-{i}", f"http://127.0.0.1:{port}"))
+                static.append(f"{role}=http://127.0.0.1:{port}")
+        for name, url in workers:
+            self._wait(f"{url}/ready", name, 300)
+            _say(f"{name} ready at {url}")
+        port = self.port or _free_port()
+        router = ["router", "--model", self.model, "--cache-dir", str(self.cache_dir),
+                  "--port", str(port)]
+        if redis_url:
+            router += ["--redis-url", redis_url, "--namespace", self.namespace]
+        else:
+            for entry in static:
+                router += ["--worker", entry]
+        self._spawn("router", router)
+        url = f"http://127.0.0.1:{port}"
+        self._wait(f"{url}/ready", "router", 60)
+        _say(f"router ready at {url}/v1 (logs in {self.log_dir}/)")
+        return url
+
+    def _wait(self, url: str, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pname, proc in self.procs:
+                if proc.poll() is not None:
+                    log = (self.log_dir / f"{pname}.log").read_text()[-2000:]
+                    raise RuntimeError(f"{pname} exited with {proc.returncode}:\n{log}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} was not ready within {timeout:.0f} s")
+
+    def down(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs.clear()
+        _say("stopped")
+
+
+def chat(url: str, model: str, messages: list[dict], max_tokens: int = 64) -> dict:
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
