@@ -58,7 +58,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             import redis.asyncio as aioredis
 
             redis = aioredis.from_url(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-            state["index"] = RedisPrefixIndex(redis, keys)
+            state["index"] = RedisPrefixIndex(redis, keys, settings.index_search)
             await directory.refresh(redis)
             tasks.append(asyncio.create_task(directory.run(redis, settings.refresh_interval_s)))
         else:

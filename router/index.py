@@ -14,17 +14,62 @@ from common.registry import RedisKeys
 
 # KEYS = blocks:{id} per candidate worker; ARGV = the prompt's block hashes in order.
 # Returns, per worker, the number of leading hashes present, stopping at the first miss.
+# Membership is asked in chunks with SMISMEMBER (Redis >= 6.2): one call per chunk instead of
+# one per block, and the first chunk is small so workers that hold nothing cost one call.
 _LEADING_MATCH_LUA = """
 local out = {}
+local n_args = #ARGV
 for i, key in ipairs(KEYS) do
-  local n = 0
-  for j = 1, #ARGV do
-    if redis.call('SISMEMBER', key, ARGV[j]) == 1 then n = j else break end
+  local n, start, size = 0, 1, 8
+  while start <= n_args do
+    local stop = math.min(start + size - 1, n_args)
+    local hits = redis.call('SMISMEMBER', key, unpack(ARGV, start, stop))
+    local all = true
+    for k = 1, #hits do
+      if hits[k] == 1 then n = n + 1 else all = false break end
+    end
+    if not all then break end
+    start = stop + 1
+    size = math.min(size * 4, 512)
   end
   out[i] = n
 end
 return out
 """
+
+
+# Galloping variant: probe blocks 1, 2, 4, 8, ... until a miss, then binary-search the gap, so a
+# worker costs O(log matched) lookups instead of O(matched). It assumes a worker's blocks of one
+# chain form a prefix, which the workers' eviction order keeps true (a sequence's blocks are freed
+# tail first and evicted least-recently-freed first); where a middle block was evicted anyway, it
+# can overcount, which only misplaces a request, never corrupts one (workers compute what they lack).
+_GALLOP_LUA = """
+local out = {}
+local n_args = #ARGV
+for i, key in ipairs(KEYS) do
+  local lo, hi = 0, nil  -- ARGV[1..lo] held (assumed), ARGV[hi] missing
+  local probe = 1
+  while probe <= n_args do
+    if redis.call('SISMEMBER', key, ARGV[probe]) == 1 then lo = probe; probe = probe * 2
+    else hi = probe break end
+  end
+  if hi == nil then
+    if lo < n_args then
+      if redis.call('SISMEMBER', key, ARGV[n_args]) == 1 then lo = n_args else hi = n_args end
+    end
+  end
+  if hi ~= nil then
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if redis.call('SISMEMBER', key, ARGV[mid]) == 1 then lo = mid else hi = mid end
+    end
+  end
+  out[i] = lo
+end
+return out
+"""
+
+SEARCHES = {"exact": _LEADING_MATCH_LUA, "gallop": _GALLOP_LUA}
 
 
 class PrefixIndex(Protocol):
@@ -36,10 +81,12 @@ class PrefixIndex(Protocol):
 
 
 class RedisPrefixIndex:
-    def __init__(self, redis, keys: RedisKeys) -> None:
+    def __init__(self, redis, keys: RedisKeys, search: str = "gallop") -> None:
+        if search not in SEARCHES:
+            raise ValueError(f"unknown index search {search!r}; choose from {', '.join(SEARCHES)}")
         self.redis = redis
         self.keys = keys
-        self._script = redis.register_script(_LEADING_MATCH_LUA)
+        self._script = redis.register_script(SEARCHES[search])
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         if not block_hashes or not worker_ids:

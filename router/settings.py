@@ -22,6 +22,7 @@ class RouterSettings(BaseSettings):
     workers: list[str] = []  # static "role=url" entries, e.g. "prefill=http://127.0.0.1:8200"
     internal_token: str | None = None
     policy: str = "kv_aware"
+    index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
     refresh_interval_s: float = 0.5
     request_timeout_s: float = 300.0
     max_prefill_retries: int = 2
