@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -38,9 +41,6 @@ def free_port() -> int:
 
 
 def fake_app():
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     app = FastAPI()
     kv = {"do_remote_prefill": True, "remote_engine_id": "fake", "remote_block_ids": [1],
           "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "x"}

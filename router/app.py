@@ -78,15 +78,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            from common.errors import error_body
-
-            return JSONResponse(error_body(413, f"request body over {settings.max_body_bytes} bytes",
-                                           "request_too_large"), 413)
-        return await call_next(request)
+    # A plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs ~1 ms a call.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     async def route(prompt: list[int]):
         t0 = time.perf_counter()
@@ -338,6 +331,25 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     app.state.directory = directory
     return app
+
+
+class BodyLimit:
+    """Refuse requests whose declared body exceeds `max_bytes` with an OpenAI-format 413."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                    from common.errors import error_body
+
+                    resp = JSONResponse(error_body(413, f"request body over {self.max_bytes} bytes",
+                                                   "request_too_large"), 413)
+                    await resp(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def _cut_stops(text: str, stops: list[str], finish):
