@@ -39,3 +39,11 @@ def smollm2_folder(cache_dir) -> Path:
     from engine.model_store import prepare_smollm2
 
     return prepare_smollm2(cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_folder):
+    """The one-process engine on tiny-random: what every served path must reproduce."""
+    from engine import LLM
+
+    return LLM(str(tiny_folder), num_blocks=512, block_size=4)

@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.worker.cluster import Router, Worker, free_port
 
 pytestmark = pytest.mark.redis
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.redis
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("failures")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_folder):
-    return LLM(str(tiny_folder), num_blocks=512, block_size=4)
 
 
 def client_for(r: Router) -> openai.OpenAI:

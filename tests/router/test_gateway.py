@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.worker.cluster import Router, Worker
 
 pytestmark = pytest.mark.redis
@@ -17,11 +17,6 @@ pytestmark = pytest.mark.redis
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("router")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_folder):
-    return LLM(str(tiny_folder), num_blocks=512, block_size=4)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """A service's /metrics as {series: value}."""
+    out: dict[str, float] = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 class Worker:
     def __init__(self, role: str, model: str, *, cache_dir: Path, namespace: str | None = None,
                  extra: list[str] | None = None, num_blocks: int = 256, block_size: int = 4,
@@ -62,12 +72,7 @@ class Worker:
         raise TimeoutError(f"{self.role} worker not ready in {timeout} s")
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for line in self.client.get("/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return scrape(self.client)
 
     def prefill(self, request_id: str, prompt: list[int], sampling: dict, **kw) -> dict:
         r = self.client.post("/prefill", json={"request_id": request_id, "prompt_token_ids": prompt,
@@ -146,12 +151,7 @@ class Router:
         raise TimeoutError(f"router did not see {n} workers")
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for line in self.client.get("/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return scrape(self.client)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import redis
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.worker.cluster import REDIS_URL, Worker, pd_generate
 
 pytestmark = pytest.mark.redis
@@ -28,11 +28,6 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def namespace():
     return f"test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_folder):
-    return LLM(str(tiny_folder), num_blocks=512, block_size=4)
 
 
 @pytest.fixture(scope="module")

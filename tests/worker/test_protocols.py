@@ -28,11 +28,6 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_folder):
-    return LLM(str(tiny_folder), num_blocks=512, block_size=4)
-
-
-@pytest.fixture(scope="module")
 def open_pd(tiny_folder, workdir):
     """P and D without an internal token, as a vLLM-style router would find them."""
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, token=None)
