@@ -100,7 +100,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
             plan = policy.choose(ctx)
         except NoWorkers as e:
             raise APIError(503, str(e), "no_workers", headers={"Retry-After": "1"}) from e
-        state["index"].record((plan.prefill or plan.decode).worker_id, hashes)
+        # Both legs end up holding the prompt's blocks (the decode side after its pull).
+        for w in {plan.decode.worker_id, (plan.prefill or plan.decode).worker_id}:
+            state["index"].record(w, hashes)
         metrics.route.labels(plan.kind).inc()
         metrics.overhead.observe(time.perf_counter() - t0)
         return plan
