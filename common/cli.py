@@ -130,7 +130,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     kwargs = dict(host=args.host, port=args.port, model=args.model, cache_dir=_cache_dir(args.cache_dir),
                   block_size=args.block_size, redis_url=args.redis_url, namespace=args.namespace,
                   workers=args.worker or [], policy=args.policy,
-                  internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"))
+                  internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
+                  api_keys=args.api_key or [], rate_limit_rpm=args.rate_limit_rpm,
+                  rate_limit_tpm=args.rate_limit_tpm)
+    if args.api_keys_file:
+        kwargs["api_keys_file"] = Path(args.api_keys_file)
     if args.tokenizer:
         kwargs["tokenizer_path"] = Path(args.tokenizer)
     uvicorn.run(create_app(RouterSettings(**kwargs)), host=args.host, port=args.port,
@@ -232,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv_aware",
                    choices=["kv_aware", "round_robin", "least_loaded", "random"])
     p.add_argument("--internal-token", default=None)
+    p.add_argument("--api-key", action="append", help="accepted client API key (repeatable)")
+    p.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    p.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
+    p.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
     p.set_defaults(func=cmd_router)
 
     for name, func, text in (("up", cmd_up, "start a local cluster (Redis, workers, router)"),

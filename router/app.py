@@ -27,6 +27,7 @@ from common.registry import RedisKeys
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
+from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import NoWorkers, RouteContext, make_policy
@@ -45,6 +46,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     directory = WorkerDirectory(keys, settings.workers, settings.breaker_failures,
                                 settings.breaker_cooldown_s)
     policy = make_policy(settings.policy, settings)
+    auth = KeyAuth(load_keys(settings.api_keys, settings.api_keys_file))
     state: dict = {}
 
     @asynccontextmanager
@@ -59,12 +61,14 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
             redis = aioredis.from_url(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
             state["index"] = RedisPrefixIndex(redis, keys, settings.index_search)
+            state["limiter"] = RateLimiter(redis, keys, settings.rate_limit_rpm, settings.rate_limit_tpm)
             await directory.refresh(redis)
             tasks.append(asyncio.create_task(directory.run(redis, settings.refresh_interval_s)))
         else:
             log.warning("no Redis configured: in-process prefix index (learns from routing only)")
             redis = None
             state["index"] = MemoryPrefixIndex()
+            state["limiter"] = RateLimiter(None, keys, settings.rate_limit_rpm, settings.rate_limit_tpm)
         try:
             yield
         finally:
@@ -108,7 +112,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return plan
 
     def sampling(body, n_index: int) -> SamplingOptions:
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or settings.max_tokens_default
+        max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
         lp = body.top_logprobs if isinstance(body, ChatCompletionRequest) and body.logprobs else None
         if isinstance(body, CompletionRequest):
             lp = body.logprobs
@@ -143,7 +147,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         if not ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
         limit = directory.max_model_len(settings.max_model_len_default)
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 0
+        max_tokens = _requested_max_tokens(body) or 0
         if len(ids) + max(max_tokens, 1) > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
                            f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
@@ -168,7 +172,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def complete(body, chat: bool, request: Request):
         t_start = time.perf_counter()
+        api_key = auth.check(request.headers.get("authorization"))
         prompt = prompt_ids(body)
+        max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
+        await state["limiter"].admit(api_key, (len(prompt) + max_tokens) * body.n)
         rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         metrics.prompt_tokens.inc(len(prompt) * body.n)
         obj = "chat.completion" if chat else "text_completion"
@@ -310,7 +317,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return await complete(body, False, request)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        auth.check(request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
                                             "owned_by": "tandem"}]}
 
@@ -333,6 +341,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     app.state.directory = directory
     return app
+
+
+def _requested_max_tokens(body) -> int | None:
+    return getattr(body, "max_completion_tokens", None) or body.max_tokens
 
 
 class BodyLimit:

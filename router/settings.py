@@ -21,6 +21,10 @@ class RouterSettings(BaseSettings):
     namespace: str = "default"
     workers: list[str] = []  # static "role=url" entries, e.g. "prefill=http://127.0.0.1:8200"
     internal_token: str | None = None
+    api_keys: list[str] = []  # client API keys; empty = no authentication
+    api_keys_file: Path | None = None  # one key per line
+    rate_limit_rpm: int | None = None  # per key, shared through Redis
+    rate_limit_tpm: int | None = None  # prompt + max_tokens, per key
     policy: str = "kv_aware"
     index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
     refresh_interval_s: float = 0.5

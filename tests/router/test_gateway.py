@@ -128,3 +128,37 @@ def test_conditional_disaggregation_when_decode_holds_the_conversation(cluster, 
     # D already holds the conversation: a few uncached tokens are cheaper to compute there.
     assert t["plan"] == "decode_local" and t["num_cached_tokens"] > 0
     assert r.metrics()['tandem_route_decisions_total{plan="decode_local"}'] >= 1
+
+
+def test_api_keys_and_rate_limits_shared_by_two_router_replicas(tiny_folder, workdir):
+    ns = f"rl-{uuid.uuid4().hex[:6]}"
+    d = Worker("colocated", str(tiny_folder), cache_dir=workdir, namespace=ns)
+    limits = ["--api-key", "sk-alpha", "--api-key", "sk-beta", "--rate-limit-rpm", "3"]
+    r1 = Router(tiny_folder, ns, cache_dir=workdir, extra=limits)
+    r2 = Router(tiny_folder, ns, cache_dir=workdir, extra=limits)
+    try:
+        r1.wait_workers(1)
+        r2.wait_workers(1)
+        # Stay inside one minute window: the limit is per key per minute.
+        if time.time() % 60 > 50:
+            time.sleep(61 - time.time() % 60)
+        args = dict(model="tiny-random", prompt="hi", max_tokens=2, temperature=0)
+        anon = openai.OpenAI(base_url=f"{r1.url}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anon.completions.create(**args)
+        with pytest.raises(openai.AuthenticationError):
+            anon.models.list()
+        a1 = openai.OpenAI(base_url=f"{r1.url}/v1", api_key="sk-alpha", max_retries=0)
+        a2 = openai.OpenAI(base_url=f"{r2.url}/v1", api_key="sk-alpha", max_retries=0)
+        b1 = openai.OpenAI(base_url=f"{r1.url}/v1", api_key="sk-beta", max_retries=0)
+        a1.completions.create(**args)
+        a2.completions.create(**args)
+        a1.completions.create(**args)
+        with pytest.raises(openai.RateLimitError) as e:
+            a2.completions.create(**args)  # 4th for this key, counted across both replicas
+        assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+        assert b1.completions.create(**args).choices[0].finish_reason  # other keys unaffected
+    finally:
+        r1.close()
+        r2.close()
+        d.close()
