@@ -132,7 +132,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                   workers=args.worker or [], policy=args.policy,
                   internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
                   api_keys=args.api_key or [], rate_limit_rpm=args.rate_limit_rpm,
-                  rate_limit_tpm=args.rate_limit_tpm)
+                  rate_limit_tpm=args.rate_limit_tpm, max_running=args.max_running,
+                  max_queued=args.max_queued)
     if args.api_keys_file:
         kwargs["api_keys_file"] = Path(args.api_keys_file)
     if args.tokenizer:
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-file", default=None, help="file with one API key per line")
     p.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
     p.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
+    p.add_argument("--max-running", type=int, default=512, help="requests in flight before queueing")
+    p.add_argument("--max-queued", type=int, default=2048, help="queued requests before 503")
     p.set_defaults(func=cmd_router)
 
     for name, func, text in (("up", cmd_up, "start a local cluster (Redis, workers, router)"),

@@ -25,6 +25,7 @@ from common.hashing import BlockHasher
 from common.protocol import SamplingOptions
 from common.registry import RedisKeys
 from common.tokenizer import ChatTemplateError, Tokenizer
+from router.admission import Admission
 from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
@@ -47,6 +48,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                                 settings.breaker_cooldown_s)
     policy = make_policy(settings.policy, settings)
     auth = KeyAuth(load_keys(settings.api_keys, settings.api_keys_file))
+    admission = Admission(settings.max_running, settings.max_queued)
     state: dict = {}
 
     @asynccontextmanager
@@ -180,18 +182,27 @@ def create_app(settings: RouterSettings) -> FastAPI:
         metrics.prompt_tokens.inc(len(prompt) * body.n)
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
+        if body.stream and body.n != 1:
+            raise APIError(400, "streaming supports n=1 only", "invalid_request", "n")
+        slot = admission.slot(body.priority)
+        await slot.__aenter__()  # held until the response ends (the stream's end, if streaming)
         if body.stream:
-            if body.n != 1:
-                raise APIError(400, "streaming supports n=1 only", "invalid_request", "n")
             gen = run_one(body, prompt, 0, rid)
             try:
                 first = await anext(gen)
             except StopAsyncIteration:
                 first = None
-            return StreamingResponse(_sse(first, gen, body, chat, rid, created, prompt, t_start),
+            except BaseException:
+                await slot.__aexit__(None, None, None)
+                raise
+            return StreamingResponse(_sse(first, gen, body, chat, rid, created, prompt, t_start, slot),
                                      media_type="text/event-stream")
-        results = await asyncio.gather(*[_collect(run_one(body, prompt, i, f"{rid}-{i}" if body.n > 1 else rid),
-                                                  body, t_start) for i in range(body.n)])
+        try:
+            results = await asyncio.gather(*[
+                _collect(run_one(body, prompt, i, f"{rid}-{i}" if body.n > 1 else rid), body, t_start)
+                for i in range(body.n)])
+        finally:
+            await slot.__aexit__(None, None, None)
         choices = []
         n_out = 0
         for i, (tokens, text, finish, _trace) in enumerate(results):
@@ -242,7 +253,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         if trace.resumed:
             metrics.retries.labels("resume").inc(trace.resumed)
 
-    async def _sse(first, gen, body, chat, rid, created, prompt, t_start):
+    async def _sse(first, gen, body, chat, rid, created, prompt, t_start, slot):
         obj = "chat.completion.chunk" if chat else "text_completion"
         stream = tokenizer.decode_stream()
         stops = body.stop
@@ -307,6 +318,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             yield b"data: [DONE]\n\n"
         finally:
             await gen.aclose()  # client gone: closing the worker stream aborts both legs
+            await slot.__aexit__(None, None, None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -34,6 +34,8 @@ class RouterSettings(BaseSettings):
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     max_tokens_default: int = 256
+    max_running: int = 512  # requests in flight before new ones queue
+    max_queued: int = 2048  # beyond this: 503 + Retry-After
     # kv_aware cost model (seconds); every weight and threshold is a setting.
     default_prefill_tokens_per_s: float = 1000.0
     default_transfer_bytes_per_s: float = 2e9

@@ -162,3 +162,35 @@ def test_api_keys_and_rate_limits_shared_by_two_router_replicas(tiny_folder, wor
         r1.close()
         r2.close()
         d.close()
+
+
+def test_full_admission_queue_answers_503(tiny_folder, workdir, cluster):
+    r = Router(tiny_folder, _namespace_of(cluster), cache_dir=workdir,
+               extra=["--max-running", "1", "--max-queued", "0"])
+    try:
+        r.wait_workers(2)
+        c = openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0)
+        long = dict(model="tiny-random", prompt="go", max_tokens=400, temperature=0,
+                    extra_body={"ignore_eos": True})
+        stream = c.completions.create(**long, stream=True)
+        next(iter(stream))  # the one running slot is taken
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        stream.close()
+        deadline = time.monotonic() + 10
+        while True:  # the slot comes back once the stream is closed
+            try:
+                c.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
+                break
+            except openai.InternalServerError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        r.close()
+
+
+def _namespace_of(cluster) -> str:
+    router, _, _ = cluster
+    args = router.proc.args
+    return args[args.index("--namespace") + 1]
