@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -35,6 +37,11 @@ def install_error_handlers(app) -> None:
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_body(400, msg, "invalid_request", loc or None), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logging.getLogger(__name__).exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal error", "internal_error"), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

@@ -115,7 +115,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     def sampling(body, n_index: int) -> SamplingOptions:
         max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
-        lp = body.top_logprobs if isinstance(body, ChatCompletionRequest) and body.logprobs else None
+        lp = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) and body.logprobs else None
         if isinstance(body, CompletionRequest):
             lp = body.logprobs
         try:
@@ -205,19 +205,19 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await slot.__aexit__(None, None, None)
         choices = []
         n_out = 0
-        for i, (tokens, text, finish, _trace) in enumerate(results):
+        want_lp = (body.logprobs if chat else body.logprobs is not None)
+        for i, (tokens, text, finish, lps, _trace) in enumerate(results):
             n_out += len(tokens)
             c = {"index": i, "finish_reason": finish}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
-                c["logprobs"] = None
+                c["logprobs"] = _chat_logprobs(lps) if want_lp else None
             else:
                 c["text"] = text
-                c["logprobs"] = None
+                c["logprobs"] = _completion_logprobs(lps) if want_lp else None
             choices.append(c)
         metrics.requests.labels("200").inc()
-        trace = results[0][3]
-        timing = _timing(trace, t_start)
+        timing = _timing(results[0][4], t_start)
         out = {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": choices,
                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                          "total_tokens": len(prompt) + n_out}, "tandem": timing}
@@ -225,6 +225,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def _collect(gen, body, t_start):
         tokens: list[int] = []
+        lps: list[dict] = []
         finish, trace = None, None
         first = True
         async for ev, trace in gen:  # noqa: B007 - the last trace is kept
@@ -232,6 +233,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 metrics.ttft.observe(time.perf_counter() - t_start)
                 first = False
             tokens.extend(ev.token_ids)
+            lps.extend(ev.logprobs or [])
             finish = ev.finish_reason or finish
         # Same incremental detokenizer as the stream (and the engine): identical text either way.
         stream = tokenizer.decode_stream()
@@ -239,7 +241,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         metrics.completion_tokens.inc(len(tokens))
         metrics.latency.observe(time.perf_counter() - t_start)
         _observe_trace(trace)
-        return tokens, text, finish, trace
+        return tokens, text, finish, lps, trace
 
     def _observe_trace(trace: Trace | None) -> None:
         if trace is None:
@@ -350,6 +352,27 @@ def create_app(settings: RouterSettings) -> FastAPI:
         for role in ("prefill", "decode", "colocated"):
             metrics.workers.labels(role).set(len(directory.live(role)))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(lps: list[dict]) -> dict:
+        def entry(tid, lp):
+            text = token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(x["token_id"], x["logprob"]),
+                             "top_logprobs": [entry(t, v) for t, v in x.get("top", [])]} for x in lps]}
+
+    def _completion_logprobs(lps: list[dict]) -> dict:
+        tokens = [token_text(x["token_id"]) for x in lps]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
+                "top_logprobs": [{token_text(t): v for t, v in x.get("top", [])} for x in lps],
+                "text_offset": offsets}
 
     app.state.directory = directory
     return app

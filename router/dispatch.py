@@ -37,6 +37,7 @@ class TokenEvent:
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
     timing: dict | None = None
+    logprobs: list[dict] | None = None  # per token: {token_id, logprob, top: [[id, logprob]]}
 
 
 @dataclass
@@ -74,7 +75,9 @@ class Dispatcher:
                 first = pre["first_token_id"]
                 sent.append(first)
                 trace.num_cached_tokens = pre["num_cached_tokens"]
-                yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"])
+                lp = pre.get("first_token_logprob")
+                yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"],
+                                 logprobs=[lp] if lp else None)
                 if pre.get("finish_reason"):
                     return
                 kv_params = pre["kv_transfer_params"]
@@ -183,7 +186,7 @@ class Dispatcher:
                     if ev.get("error"):
                         raise WorkerFailure(f"{w.worker_id}: {ev['error']}")
                     yield TokenEvent(ev.get("token_ids", []), ev.get("finish_reason"),
-                                     ev.get("num_cached_tokens"), ev.get("timing"))
+                                     ev.get("num_cached_tokens"), ev.get("timing"), ev.get("logprobs"))
         except httpx.HTTPError as e:
             raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
         finally:

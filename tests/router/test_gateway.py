@@ -194,3 +194,22 @@ def _namespace_of(cluster) -> str:
     router, _, _ = cluster
     args = router.proc.args
     return args[args.index("--namespace") + 1]
+
+
+def test_logprobs_are_relayed_in_openai_format(client, reference):
+    r = client.completions.create(model="tiny-random", prompt="log me", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    want = reference.generate("log me", SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    assert len(lp.token_logprobs) == 6 == len(want.logprobs)
+    for got, exp, top in zip(lp.token_logprobs, want.logprobs, lp.top_logprobs, strict=True):
+        # (top_logprobs is keyed by token text, so byte tokens that print alike may merge.)
+        assert abs(got - exp.logprob) < 1e-4 and 1 <= len(top) <= 2
+        assert all(v <= 0 for v in top.values())
+    assert lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    # Greedy picks the most likely token: it heads its own top list.
+    assert all(abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6 for c in content)
