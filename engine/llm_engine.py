@@ -325,10 +325,8 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         if keep_blocks:
             self.held[seq.request_id] = seq
-        elif seq.request_id in self.held:
-            self.held.pop(seq.request_id)
-            self.kv.free(seq)
         else:
+            self.held.pop(seq.request_id, None)  # an aborted held request lets go too
             self.kv.free(seq)
         return self._output(seq, new_token_ids or [])
 

@@ -24,6 +24,7 @@ from common.errors import APIError, install_error_handlers
 from common.hashing import BlockHasher
 from common.protocol import SamplingOptions
 from common.registry import RedisKeys
+from common.streams import prepend
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.admission import Admission
 from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
@@ -281,7 +282,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         finish = None
         try:
             items = [] if first is None else [first]
-            async for ev, trace in _chain(items, gen):  # noqa: B007 - the last trace is kept
+            async for ev, trace in prepend(items, gen):  # noqa: B007 - the last trace is kept
                 now = time.perf_counter()
                 if last_t is None:
                     metrics.ttft.observe(now - t_start)
@@ -425,10 +426,3 @@ def _timing(trace: Trace | None, t_start: float) -> dict:
 
 def _data(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-async def _chain(first: list, rest):
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item

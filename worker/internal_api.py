@@ -19,6 +19,7 @@ from common.protocol import (
     StreamEvent,
     TokenLogprob,
 )
+from common.streams import prepend
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.layout import BlockRangeError, LayoutMismatch
@@ -228,7 +229,7 @@ def internal_router(state: WorkerState) -> APIRouter:
 
             async def body():
                 try:
-                    async for out, timing in _chain([first] if first else [], items):
+                    async for out, timing in prepend([first] if first else [], items):
                         ev = _event(req.request_id, out, params.logprobs is not None)
                         ev.timing = timing
                         yield _frame(ev, sse, final=ev.finish_reason is not None)
@@ -247,12 +248,6 @@ def internal_router(state: WorkerState) -> APIRouter:
 
     return router
 
-
-async def _chain(first: list, rest: AsyncIterator):
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
 
 
 def _frame(ev: StreamEvent, sse: bool, final: bool = False) -> bytes:

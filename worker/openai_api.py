@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.auth import require_internal_token
 from common.protocol import GenerateRequest, KVTransferParams
+from common.streams import prepend
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError
 from worker.errors import APIError
@@ -122,7 +123,7 @@ def openai_router(state: WorkerState) -> APIRouter:
 
             async def sse():
                 sent = ""  # cumulative text: deltas never split a multi-byte character
-                async for out, _ in _prepend(first, items):
+                async for out, _ in prepend([first], items):
                     delta, sent = out.text[len(sent):], out.text
                     yield _sse_chunk(obj, rid, created, core.model_id, delta, out.new_token_ids,
                                      out.finish_reason, chat)
@@ -161,11 +162,6 @@ def openai_router(state: WorkerState) -> APIRouter:
 
     return router
 
-
-async def _prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
 
 
 def _body(obj, rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp) -> dict:
