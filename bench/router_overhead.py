@@ -8,6 +8,7 @@ In the same run, open-loop Poisson arrivals of non-streaming /v1/completions go 
   direct       the fake decode worker itself (baseline)
   tandem       `tandem router` (kv_aware, P/D plan, static workers, in-process index)
   vllm-router  `vllm-router --vllm-pd-disaggregation` (if installed)
+  sglang-router `sglang-router launch --pd-disaggregation` (if installed)
 and the added latency is p50/p99 of each minus the direct run's. JSON: bench/results/router_overhead.json.
 """
 
@@ -72,6 +73,13 @@ def fake_app():
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             out["kv_transfer_params"] = kv
         return JSONResponse(out)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def info():  # sglang-router probes these
+        return {"model_path": "tiny-random", "tokenizer_path": None, "is_generation": True}
 
     @app.get("/v1/models")
     async def models():
@@ -173,6 +181,17 @@ def main() -> int:
                             "--decode", f"http://127.0.0.1:{fd}", "--policy", "round_robin",
                             "--host", "127.0.0.1", "--port", str(vp)], logs / "vllm-router.log"))
         targets["vllm-router"] = f"http://127.0.0.1:{vp}/v1/completions"
+    sr = shutil.which("sglang-router") or shutil.which("sglang-router", path=str(Path(sys.executable).parent))
+    if sr:
+        sp = free_port()
+        # PD mode: sends the request to prefill and decode at once (bootstrap fields added); the
+        # fake worker's /v1/completions answers both.
+        procs.append(spawn([sr, "launch", "--pd-disaggregation", "--prefill", f"http://127.0.0.1:{fp}",
+                            "--decode", f"http://127.0.0.1:{fd}", "--policy", "round_robin",
+                            "--prometheus-port", str(free_port()),
+                            "--host", "127.0.0.1", "--port", str(sp)],
+                           logs / "sglang-router.log"))
+        targets["sglang-router"] = f"http://127.0.0.1:{sp}/v1/completions"
     result: dict = {"cpus": os.cpu_count(), "seconds_per_rate": args.seconds, "runs": {}}
     try:
         for url in targets.values():

@@ -4,13 +4,14 @@ retries, fallbacks and mid-stream resume, so the client sees each token exactly 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
+import orjson
 
 from common.protocol import SamplingOptions
 from router.policy import Plan
@@ -56,11 +57,16 @@ class Trace:
 
 
 class Dispatcher:
-    def __init__(self, http: httpx.AsyncClient, directory: WorkerDirectory, token: str | None,
+    """Worker hops go through aiohttp: per request it costs about a third of httpx's CPU, which is
+    most of what the router adds to a request on a small machine (bench/router_overhead.py)."""
+
+    def __init__(self, http: aiohttp.ClientSession, directory: WorkerDirectory, token: str | None,
                  max_prefill_retries: int, retry_backoff_s: float) -> None:
         self.http = http
         self.directory = directory
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
 
@@ -86,16 +92,19 @@ class Dispatcher:
             tried.add(decode.worker_id)
             trace.decode_worker = decode.worker_id
             try:
-                async for ev in self._generate(decode, request_id, prompt, sent, sampling, kv_params):
-                    sent.extend(ev.token_ids)
-                    if ev.finish_reason is not None:
-                        trace.worker_timing = ev.timing or {}
-                        if trace.plan != "disagg" and ev.num_cached_tokens is not None:
-                            trace.num_cached_tokens = ev.num_cached_tokens
-                    yield ev
-                    if ev.finish_reason is not None:
-                        self.directory.record_success(decode)
-                        return
+                # aclosing: a client that leaves closes the worker stream now, not at GC time.
+                async with aclosing(self._generate(decode, request_id, prompt, sent, sampling,
+                                                   kv_params)) as events:
+                    async for ev in events:
+                        sent.extend(ev.token_ids)
+                        if ev.finish_reason is not None:
+                            trace.worker_timing = ev.timing or {}
+                            if trace.plan != "disagg" and ev.num_cached_tokens is not None:
+                                trace.num_cached_tokens = ev.num_cached_tokens
+                        yield ev
+                        if ev.finish_reason is not None:
+                            self.directory.record_success(decode)
+                            return
                 raise WorkerFailure(f"{decode.worker_id} ended the stream without a finish reason")
             except WorkerFailure as e:
                 self.directory.record_failure(decode)
@@ -156,14 +165,15 @@ class Dispatcher:
 
     async def _post(self, w: WorkerInfo, path: str, body: dict) -> dict:
         try:
-            r = await self.http.post(f"{w.url}{path}", json=body, headers=self.headers)
-        except httpx.HTTPError as e:
+            async with self.http.post(f"{w.url}{path}", data=orjson.dumps(body), headers=self.headers) as r:
+                raw = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
             raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
-        if r.status_code >= 500 or r.status_code == 429:
-            raise WorkerFailure(f"{w.worker_id}: HTTP {r.status_code}")
-        if r.status_code >= 400:
-            raise RequestRejected(r.status_code, _json(r.text))
-        return r.json()
+        if r.status >= 500 or r.status == 429:
+            raise WorkerFailure(f"{w.worker_id}: HTTP {r.status}")
+        if r.status >= 400:
+            raise RequestRejected(r.status, _json(raw))
+        return orjson.loads(raw)
 
     async def _generate(self, w: WorkerInfo, request_id, prompt, sent, sampling, kv_params
                         ) -> AsyncIterator[TokenEvent]:
@@ -173,21 +183,31 @@ class Dispatcher:
             body["kv_transfer_params"] = kv_params
         w.inflight += 1
         try:
-            async with self.http.stream("POST", f"{w.url}/generate", json=body,
-                                        headers=self.headers) as r:
-                if r.status_code >= 500 or r.status_code == 429:
-                    raise WorkerFailure(f"{w.worker_id}: HTTP {r.status_code}")
-                if r.status_code >= 400:
-                    raise RequestRejected(r.status_code, _json((await r.aread()).decode()))
-                async for line in r.aiter_lines():
+            async with self.http.post(f"{w.url}/generate", data=orjson.dumps(body),
+                                      headers=self.headers) as r:
+                if r.status >= 500 or r.status == 429:
+                    raise WorkerFailure(f"{w.worker_id}: HTTP {r.status}")
+                if r.status >= 400:
+                    raise RequestRejected(r.status, _json(await r.read()))
+                last = None
+                async for line in r.content:  # NDJSON: one event per line
+                    line = line.strip()
                     if not line:
                         continue
-                    ev = json.loads(line)
+                    ev = orjson.loads(line)
                     if ev.get("error"):
                         raise WorkerFailure(f"{w.worker_id}: {ev['error']}")
-                    yield TokenEvent(ev.get("token_ids", []), ev.get("finish_reason"),
+                    tev = TokenEvent(ev.get("token_ids", []), ev.get("finish_reason"),
                                      ev.get("num_cached_tokens"), ev.get("timing"), ev.get("logprobs"))
-        except httpx.HTTPError as e:
+                    if tev.finish_reason is not None:
+                        # Hold the last event until the body's end: a response read to EOF goes
+                        # back to the pool; one closed early costs a new TCP connection next time.
+                        last = tev
+                        continue
+                    yield tev
+                if last is not None:
+                    yield last
+        except (aiohttp.ClientError, TimeoutError) as e:
             raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
         finally:
             w.inflight -= 1
@@ -196,13 +216,15 @@ class Dispatcher:
         if w is None:
             return
         try:
-            await self.http.post(f"{w.url}/abort/{request_id}", headers=self.headers, timeout=2.0)
-        except httpx.HTTPError:
+            async with self.http.post(f"{w.url}/abort/{request_id}", headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError):
             pass
 
 
-def _json(text: str) -> dict:
+def _json(raw: bytes) -> dict:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return {"error": {"message": text[:500]}}
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": raw[:500].decode(errors="replace")}}
