@@ -273,12 +273,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
         last_t = None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        want_lp = body.logprobs if chat else body.logprobs is not None
+        pending_lps: list[dict] = []  # tokens whose logprobs go out with the next text chunk
+        lp_offset = [0]
+
         def chunk(delta: str, finish):
+            lp = None
+            if want_lp and pending_lps:
+                lp = _chat_logprobs(pending_lps) if chat else _completion_logprobs(pending_lps, lp_offset[0])
+                if not chat:
+                    lp_offset[0] += sum(len(t) for t in lp["tokens"])
+                pending_lps.clear()
             if chat:
                 choice = {"index": 0, "delta": {"content": delta} if delta or finish is None else {},
-                          "finish_reason": finish, "logprobs": None}
+                          "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
             return {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": [choice]}
 
         if chat:
@@ -296,6 +306,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                     metrics.itl.observe(now - last_t)
                 last_t = now
                 n_out += len(ev.token_ids)
+                pending_lps.extend(ev.logprobs or [])
                 for t in ev.token_ids:
                     text_all += stream.step(t)
                 cut, reason = _cut_stops(text_all, stops, ev.finish_reason)
@@ -373,9 +384,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return {"content": [{**entry(x["token_id"], x["logprob"]),
                              "top_logprobs": [entry(t, v) for t, v in x.get("top", [])]} for x in lps]}
 
-    def _completion_logprobs(lps: list[dict]) -> dict:
+    def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
         tokens = [token_text(x["token_id"]) for x in lps]
-        offsets, pos = [], 0
+        offsets = []
         for t in tokens:
             offsets.append(pos)
             pos += len(t)

@@ -213,3 +213,25 @@ def test_logprobs_are_relayed_in_openai_format(client, reference):
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
     # Greedy picks the most likely token: it heads its own top list.
     assert all(abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6 for c in content)
+
+
+def test_streamed_logprobs_match_the_non_streamed_ones(client):
+    kw = dict(model="tiny-random", prompt="log me", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    got, offsets, text = [], [], ""
+    for c in client.completions.create(stream=True, **kw):
+        ch = c.choices[0]
+        text += ch.text
+        if ch.logprobs is not None:
+            got += ch.logprobs.token_logprobs
+            offsets += ch.logprobs.text_offset
+    assert len(got) == 6
+    assert all(abs(a - b) < 1e-6 for a, b in zip(got, whole.token_logprobs, strict=True))
+    assert offsets == whole.text_offset  # offsets run on across chunks
+    chat_kw = dict(model="tiny-random", messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
+                   top_logprobs=3)
+    want = client.chat.completions.create(**chat_kw).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(stream=True, **chat_kw)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in want]
+    assert all(abs(a.logprob - b.logprob) < 1e-6 for a, b in zip(streamed, want, strict=True))
