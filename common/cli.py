@@ -91,11 +91,39 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--internal-token", default=None,
                    help="bearer token for internal endpoints (default $TANDEM_INTERNAL_TOKEN)")
     p.add_argument("--transport", default=None, choices=["nixl", "tcp"])
+    p.add_argument("--transport-port", type=int, default=0,
+                   help="fixed KV transfer listen port (tcp transport; 0 = any), for firewalls")
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
+
+
+def _given(kwargs_of, args: argparse.Namespace) -> dict:
+    """Settings from the flags the user gave; the rest come from the settings class (and so from
+    TANDEM_* environment variables). Role, cache dir and internal token are always passed: they
+    are read from shared variables here at the edge."""
+    defaults = kwargs_of(build_parser().parse_args([args.command]))
+    given = kwargs_of(args)
+    keep = {"role", "cache_dir", "internal_token"}
+    return {k: v for k, v in given.items() if (k in keep and v is not None) or v != defaults.get(k)}
+
+
+def _worker_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        role=args.command, model=args.model, cache_dir=_cache_dir(args.cache_dir),
+        host=args.host, port=args.port, advertise_host=args.advertise_host,
+        worker_id=args.worker_id, redis_url=args.redis_url, namespace=args.namespace,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
+        device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory,
+        block_size=args.block_size, threads=args.threads, transport=args.transport,
+        transport_port=args.transport_port,
+        lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -104,29 +132,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.app import create_app
     from worker.settings import WorkerSettings
 
-    settings = WorkerSettings(
-        role=args.command, model=args.model, cache_dir=_cache_dir(args.cache_dir),
-        host=args.host, port=args.port, advertise_host=args.advertise_host,
-        worker_id=args.worker_id, redis_url=args.redis_url, namespace=args.namespace,
-        heartbeat_ttl_s=args.heartbeat_ttl,
-        internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
-        device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory,
-        block_size=args.block_size, threads=args.threads, transport=args.transport,
-        lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_queue=args.max_queue,
-    )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+    settings = WorkerSettings(**_given(_worker_kwargs, args))
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                 timeout_graceful_shutdown=5)
     return 0
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from router.app import create_app
-    from router.settings import RouterSettings
-
+def _router_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(host=args.host, port=args.port, model=args.model, cache_dir=_cache_dir(args.cache_dir),
                   block_size=args.block_size, redis_url=args.redis_url, namespace=args.namespace,
                   workers=args.worker or [], policy=args.policy,
@@ -138,7 +150,17 @@ def cmd_router(args: argparse.Namespace) -> int:
         kwargs["api_keys_file"] = Path(args.api_keys_file)
     if args.tokenizer:
         kwargs["tokenizer_path"] = Path(args.tokenizer)
-    uvicorn.run(create_app(RouterSettings(**kwargs)), host=args.host, port=args.port,
+    return kwargs
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    settings = RouterSettings(**_given(_router_kwargs, args))
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level="warning", timeout_graceful_shutdown=5)
     return 0
 

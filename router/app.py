@@ -371,6 +371,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def prom() -> Response:
         for role in ("prefill", "decode", "colocated"):
             metrics.workers.labels(role).set(len(directory.live(role)))
+        metrics.inflight.set(admission.running + admission.queued)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def token_text(token_id: int) -> str:

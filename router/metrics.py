@@ -26,4 +26,8 @@ class RouterMetrics:
         self.route = Counter("tandem_route_decisions", "Plans chosen", ["plan"], registry=r)
         self.retries = Counter("tandem_retries", "Retries and resumes", ["kind"], registry=r)
         self.redis_up = Gauge("tandem_redis_up", "1 when the prefix index answers", registry=r)
+        self.inflight = Gauge("tandem_router_inflight_requests", "Requests running or queued in this router",
+                              registry=r)  # the HPA's scaling signal (charts/tandem)
+        for pool in ("prefill", "decode"):  # series exist from the start, so rate() sees the first hits
+            self.hit_tokens.labels(pool)
         self.workers = Gauge("tandem_live_workers", "Live workers by role", ["role"], registry=r)

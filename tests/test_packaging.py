@@ -61,3 +61,28 @@ def test_tandem_demo_runs_a_local_cluster_without_redis(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "assistant> " in out.stdout and "[plan disagg" in out.stdout
     assert "static-prefill-0" in out.stdout and "[tandem] stopped" in out.stdout
+
+
+def test_flags_win_and_environment_fills_the_rest(monkeypatch, tmp_path):
+    from common.cli import _given, _router_kwargs, _worker_kwargs, build_parser
+    from router.settings import RouterSettings
+    from worker.settings import WorkerSettings
+
+    monkeypatch.setenv("TANDEM_ROUTER_POLICY", "round_robin")
+    monkeypatch.setenv("TANDEM_ROUTER_PORT", "9100")
+    monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "7")
+    s = RouterSettings(**_given(_router_kwargs, build_parser().parse_args(["router", "--port", "9001"])))
+    assert (s.policy, s.port) == ("round_robin", 9001)
+    w = WorkerSettings(**_given(_worker_kwargs, build_parser().parse_args(["decode"])))
+    assert (w.role, w.max_num_seqs) == ("decode", 7)
+    w = WorkerSettings(**_given(_worker_kwargs, build_parser().parse_args(["decode", "--max-num-seqs", "9"])))
+    assert w.max_num_seqs == 9
+
+
+def test_readme_config_reference_is_current(tmp_path):
+    from common.config_reference import write_readme
+
+    copy = tmp_path / "README.md"
+    copy.write_text((ROOT / "README.md").read_text())
+    assert not write_readme(copy), "README config reference is stale: python -m common.config_reference --write"
+    assert "TANDEM_ROUTER_POLICY" in copy.read_text()
