@@ -153,6 +153,12 @@ def _router_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from loadgen.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -244,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(role, help=text)
         _add_worker_args(p, port)
         p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("bench", help="load-test an OpenAI endpoint (TTFT, ITL, goodput, hit ratio)")
+    from loadgen.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("router", help="serve the OpenAI-compatible gateway")
     p.add_argument("--host", default="127.0.0.1")

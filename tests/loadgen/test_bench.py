@@ -1,0 +1,82 @@
+"""`tandem bench` against real processes (router, prefill and decode workers, Redis), and the
+report's arithmetic on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from loadgen import workload
+from loadgen.bench import run
+from loadgen.report import SLO, percentiles, summarize
+from loadgen.runner import RequestRecord
+from tests.worker.cluster import ROOT, Router, Worker
+
+
+def test_workloads_are_seeded_and_shaped():
+    a, b = workload.multi_turn(3, turns=4, seed=7), workload.multi_turn(3, turns=4, seed=7)
+    assert [t.user for s in a for t in s.turns] == [t.user for s in b for t in s.turns]
+    assert [t.user for s in workload.multi_turn(3, seed=8) for t in s.turns] != [t.user for s in a for t in s.turns]
+    shared = workload.shared_system(5)
+    assert len({s.system for s in shared}) == 1 and len({s.turns[0].user for s in shared}) == 5
+    mix = workload.mixed(40, seed=1)
+    long_prompt = [s for s in mix if s.turns[0].max_tokens == 4]
+    assert 0 < len(long_prompt) < 40
+    assert all(len(s.turns[0].user) > 5 * len(m.turns[0].user) for s in long_prompt for m in mix
+               if m.turns[0].max_tokens == 64)
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload.build("nope", 1)
+
+
+def test_summary_percentiles_goodput_and_hit_ratio():
+    recs = [RequestRecord(0, i, 0.0, ttft_s=0.1 * (i + 1), e2e_s=1.0, itl_s=[0.05, 0.3 if i == 3 else 0.05],
+                          completion_tokens=3) for i in range(4)]
+    recs.append(RequestRecord(1, 0, 0.0, error="HTTP 503"))
+    before = {'tandem_prefix_cache_hit_tokens_total{pool="prefill"}': 10.0, "tandem_prompt_tokens_total": 100.0}
+    after = {'tandem_prefix_cache_hit_tokens_total{pool="prefill"}': 40.0, "tandem_prompt_tokens_total": 200.0,
+             'tandem_route_decisions_total{plan="disagg"}': 4.0}
+    s = summarize(recs, 2.0, SLO(ttft_s=0.25, itl_s=0.2), before, after)
+    assert s["ok"] == 4 and s["errors"] == {"HTTP 503": 1}
+    assert s["ttft_s"]["p50"] == pytest.approx(0.3) and s["ttft_s"]["p99"] == pytest.approx(0.4)
+    assert s["goodput_requests_per_s"] == pytest.approx(1.0)  # turns 0, 1 meet both targets
+    assert s["output_tokens_per_s"] == pytest.approx(6.0)
+    assert s["prefix_hit_ratio"] == pytest.approx(0.3)
+    assert s["route_plans"] == {"disagg": 4.0}
+    assert percentiles([])["p50"] is None
+
+
+@pytest.mark.redis
+def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_path):
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    p = Worker("prefill", str(tiny_folder), cache_dir=tmp_path, namespace=ns)
+    d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, namespace=ns)
+    r = Router(tiny_folder, ns, cache_dir=tmp_path)
+    try:
+        r.wait_workers(2)
+        # Sized for the test workers' small KV cache (256 blocks of 4 byte-level tokens).
+        sessions = workload.multi_turn(3, turns=4, system_words=12, user_words=6, max_tokens=8)
+        s = run(f"{r.url}/v1", "tiny-random", "multi-turn", 3, concurrency=2, out_dir=tmp_path / "out",
+                name="mt", sessions=sessions)
+        assert s["requests"] == s["ok"] == 12 and not s["errors"], s
+        assert 0 < s["ttft_s"]["p50"] <= s["e2e_s"]["p50"]
+        assert s["itl_s"]["p50"] is not None and s["output_tokens_per_s"] > 0
+        assert 0.2 < s["prefix_hit_ratio"] < 1  # later turns reuse earlier turns' blocks
+        assert sum(s["route_plans"].values()) == 12
+        assert json.loads((tmp_path / "out" / "mt.json").read_text())["ok"] == 12
+        assert "| TTFT |" in (tmp_path / "out" / "mt.md").read_text()
+        # Open loop through the CLI; a wrong model is counted as errors and the exit code says so.
+        cli = subprocess.run([sys.executable, "-m", "common.cli", "bench", "--url", f"{r.url}/v1",
+                              "--model", "no-such-model", "--workload", "shared-system", "--size", "3",
+                              "--rate", "20", "--out", str(tmp_path / "out"), "--name", "bad"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 1
+        bad = json.loads((tmp_path / "out" / "bad.json").read_text())
+        assert bad["errors"] == {"HTTP 404 model_not_found": 3} and bad["ok"] == 0
+    finally:
+        r.close()
+        p.close()
+        d.close()
