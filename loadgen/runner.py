@@ -84,7 +84,7 @@ class Runner:
             rec, text = await self._one(http, s.session_id, i, messages, turn.max_tokens)
             self.records.append(rec)
             self._done += 1
-            if self._done % max(1, self._total // 50) == 0 or self._done == self._total:
+            if self._done % max(1, self._total // 20) == 0 or self._done == self._total:
                 print(f"\r[bench] {self._done}/{self._total} requests", end="", file=sys.stderr, flush=True)
             if rec.error:
                 return  # the rest of this conversation depends on the lost answer

@@ -1,0 +1,75 @@
+"""Routing policies on multi-turn traffic, in one run: kv_aware vs round_robin vs random.
+
+    .venv/bin/python bench/policies.py [--model tiny-random] [--sessions 12] [--turns 4]
+
+For each policy a fresh cluster (Redis namespace, 2 prefill + 1 decode workers, the router) gets
+the same seeded multi-turn workload through `tandem bench`'s runner (closed loop, 4 sessions in
+flight). JSON: bench/results/policies.json, with hit ratio and TTFT ratios against round_robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadgen import workload  # noqa: E402
+from loadgen.bench import run  # noqa: E402
+from tests.worker.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
+
+
+def one(policy: str, model: str, sessions, work: Path, num_blocks: int) -> dict:
+    from engine.model_store import resolve_model
+
+    folder = resolve_model(model)
+    ns = f"pol-{policy}-{uuid.uuid4().hex[:6]}"
+    workers = [Worker(role, str(folder), cache_dir=work, namespace=ns, num_blocks=num_blocks)
+               for role in ("prefill", "prefill", "decode")]
+    router = Router(folder, ns, cache_dir=work, policy=policy)
+    try:
+        router.wait_workers(3)
+        return run(f"{router.url}/v1", folder.name, "multi-turn", len(sessions), concurrency=4,
+                   sessions=sessions, out_dir=ROOT / "bench" / "results", name=f"policy-{policy}")
+    finally:
+        router.close()
+        for w in workers:
+            w.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-random")
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    args = ap.parse_args()
+    sessions = workload.multi_turn(args.sessions, turns=args.turns, seed=0, system_words=30, user_words=8,
+                                   max_tokens=8)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in ("kv_aware", "round_robin", "random"):
+            results[policy] = one(policy, args.model, sessions, Path(tmp), args.num_blocks)
+            s = results[policy]
+            print(json.dumps({"policy": policy, "ok": s["ok"], "hit_ratio": s["prefix_hit_ratio"],
+                              "ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"]}), file=sys.stderr)
+    base = results["round_robin"]
+    ratios = {p: {"hit_ratio_vs_round_robin": s["prefix_hit_ratio"] / base["prefix_hit_ratio"]
+                  if base["prefix_hit_ratio"] else None,
+                  "ttft_p50_vs_round_robin": s["ttft_s"]["p50"] / base["ttft_s"]["p50"],
+                  "ttft_p99_vs_round_robin": s["ttft_s"]["p99"] / base["ttft_s"]["p99"]}
+              for p, s in results.items()}
+    out = {"model": args.model, "sessions": args.sessions, "turns": args.turns, "runs": results, "ratios": ratios}
+    path = ROOT / "bench" / "results" / "policies.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(ratios, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
