@@ -61,7 +61,11 @@ class WorkerDirectory:
             self.workers[wid] = WorkerInfo(wid, role, url.rstrip("/"), static=True)
 
     def max_model_len(self, default: int) -> int:
+        """The longest sequence every worker can take: its context length, and for decode-side
+        workers also what its whole KV cache holds (a longer one would be refused there)."""
         lens = [w.max_model_len for w in self.workers.values() if w.max_model_len]
+        lens += [w.capacity * w.block_size for w in self.workers.values()
+                 if w.capacity and w.role in ("decode", "colocated")]
         return min(lens) if lens else default
 
     def live(self, role: str | None = None) -> list[WorkerInfo]:

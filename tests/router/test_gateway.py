@@ -235,3 +235,12 @@ def test_streamed_logprobs_match_the_non_streamed_ones(client):
                 if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in want]
     assert all(abs(a.logprob - b.logprob) < 1e-6 for a, b in zip(streamed, want, strict=True))
+
+
+def test_prompt_larger_than_the_decode_kv_cache_is_refused_by_the_router(client):
+    # The test workers hold 256 blocks x 4 tokens; the model's context (2048) would allow more.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-random", prompt="kv " * 400, max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and "1024 tokens" in e.value.message
+    ok = client.completions.create(model="tiny-random", prompt="kv " * 200, max_tokens=4)
+    assert ok.usage.prompt_tokens == 600 and ok.choices[0].finish_reason in ("stop", "length")
