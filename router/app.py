@@ -178,9 +178,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
                            headers={"Retry-After": "1"}) from e
 
-    async def complete(body, chat: bool, request: Request):
+    async def complete(body, chat: bool, request: Request, api_key: str | None):
         t_start = time.perf_counter()
-        api_key = auth.check(request.headers.get("authorization"))
         prompt = prompt_ids(body)
         max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
         await state["limiter"].admit(api_key, (len(prompt) + max_tokens) * body.n)
@@ -344,11 +343,13 @@ def create_app(settings: RouterSettings) -> FastAPI:
     # models and the same 400s, for about a third of the per-request cost (bench/router_overhead.py).
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return await complete(_parse(ChatCompletionRequest, await request.body()), True, request)
+        api_key = auth.check(request.headers.get("authorization"))  # 401 before any 400
+        return await complete(_parse(ChatCompletionRequest, await request.body()), True, request, api_key)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
-        return await complete(_parse(CompletionRequest, await request.body()), False, request)
+        api_key = auth.check(request.headers.get("authorization"))
+        return await complete(_parse(CompletionRequest, await request.body()), False, request, api_key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
