@@ -4,6 +4,9 @@ code and written as an ordinary Hugging Face folder, so fast tests exercise the 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 TINY_ID = "tiny-random"
@@ -35,7 +38,25 @@ TINY_CONFIG = {
 
 
 def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None) -> Path:
-    """Write config, seeded random weights and tokenizer into `out` (same seed, same bytes)."""
+    """Write config, seeded random weights and tokenizer into `out` (same seed, same bytes).
+
+    Atomic: the folder is built under a temporary name and renamed into place, so processes that
+    start together (a prefill and a decode worker) never read a half-written folder; if another
+    one got there first, its (identical) folder is kept."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    _write(tmp, seed, config)
+    try:
+        os.rename(tmp, out)  # replaces an empty folder; refuses a full one
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise
+    return out
+
+
+def _write(out: Path, seed: int, config: dict | None) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -74,7 +95,6 @@ def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None) -> P
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _write_tokenizer(out)
-    return out
 
 
 def _write_tokenizer(out: Path) -> None:
