@@ -15,33 +15,11 @@ import argparse
 import json
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
 
-from loadgen import workload  # noqa: E402
-from loadgen.bench import run  # noqa: E402
-from tests.worker.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
-
-
-def one(name: str, roles: list[str], model: str, sessions, work: Path, threads: int) -> dict:
-    from engine.model_store import resolve_model
-
-    folder = resolve_model(model)
-    ns = f"pd-{name}-{uuid.uuid4().hex[:6]}"
-    workers = [Worker(role, str(folder), cache_dir=work, namespace=ns, num_blocks=2048,
-                      extra=["--threads", str(threads)]) for role in roles]
-    router = Router(folder, ns, cache_dir=work, policy="kv_aware")
-    try:
-        router.wait_workers(len(roles))
-        return run(f"{router.url}/v1", folder.name, "mixed", len(sessions), concurrency=4,
-                   sessions=sessions, out_dir=ROOT / "bench" / "results", name=f"disagg-{name}")
-    finally:
-        router.close()
-        for w in workers:
-            w.close()
+from loadgen import workload
 
 
 def main() -> int:
@@ -54,7 +32,8 @@ def main() -> int:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, roles in (("disaggregated", ["prefill", "decode"]), ("colocated", ["colocated", "colocated"])):
-            runs[name] = s = one(name, roles, args.model, sessions, Path(tmp), args.threads)
+            runs[name] = s = run_on_cluster(f"disagg-{name}", roles, args.model, "mixed", sessions, Path(tmp),
+                                            worker_args=["--threads", str(args.threads)])
             print(json.dumps({name: {"ok": s["ok"], "ttft_p99": s["ttft_s"]["p99"], "itl_p99": s["itl_s"]["p99"],
                                      "plans": s["route_plans"]}}), file=sys.stderr)
     d, c = runs["disaggregated"], runs["colocated"]

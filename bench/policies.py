@@ -13,33 +13,11 @@ import argparse
 import json
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
 
-from loadgen import workload  # noqa: E402
-from loadgen.bench import run  # noqa: E402
-from tests.worker.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
-
-
-def one(policy: str, model: str, sessions, work: Path, num_blocks: int) -> dict:
-    from engine.model_store import resolve_model
-
-    folder = resolve_model(model)
-    ns = f"pol-{policy}-{uuid.uuid4().hex[:6]}"
-    workers = [Worker(role, str(folder), cache_dir=work, namespace=ns, num_blocks=num_blocks)
-               for role in ("prefill", "prefill", "decode")]
-    router = Router(folder, ns, cache_dir=work, policy=policy)
-    try:
-        router.wait_workers(3)
-        return run(f"{router.url}/v1", folder.name, "multi-turn", len(sessions), concurrency=4,
-                   sessions=sessions, out_dir=ROOT / "bench" / "results", name=f"policy-{policy}")
-    finally:
-        router.close()
-        for w in workers:
-            w.close()
+from loadgen import workload
 
 
 def main() -> int:
@@ -54,7 +32,9 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for policy in ("kv_aware", "round_robin", "random"):
-            results[policy] = one(policy, args.model, sessions, Path(tmp), args.num_blocks)
+            results[policy] = run_on_cluster(f"policy-{policy}", ["prefill", "prefill", "decode"], args.model,
+                                             "multi-turn", sessions, Path(tmp), policy=policy,
+                                             num_blocks=args.num_blocks)
             s = results[policy]
             print(json.dumps({"policy": policy, "ok": s["ok"], "hit_ratio": s["prefix_hit_ratio"],
                               "ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"]}), file=sys.stderr)
