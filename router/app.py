@@ -16,11 +16,9 @@ from contextlib import aclosing, asynccontextmanager
 import aiohttp
 import orjson
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 from common.errors import APIError, install_error_handlers
 from common.hashing import BlockHasher
@@ -29,10 +27,22 @@ from common.registry import RedisKeys
 from common.streams import prepend
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.admission import Admission
+from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
+from router.openai_format import (
+    body_schema,
+    chat_logprobs,
+    completion_logprobs,
+    cut_stops,
+    parse_body,
+    requested_max_tokens,
+    sse_data,
+    timing_field,
+    wants_logprobs,
+)
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import NoWorkers, RouteContext, make_policy
 from router.settings import RouterSettings
@@ -119,7 +129,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return plan
 
     def sampling(body, n_index: int) -> SamplingOptions:
-        max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
+        max_tokens = requested_max_tokens(body) or settings.max_tokens_default
         lp = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) and body.logprobs else None
         if isinstance(body, CompletionRequest):
             lp = body.logprobs
@@ -154,7 +164,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         if not ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
         limit = directory.max_model_len(settings.max_model_len_default)
-        max_tokens = _requested_max_tokens(body) or 0
+        max_tokens = requested_max_tokens(body) or 0
         if len(ids) + max(max_tokens, 1) > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
                            f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
@@ -181,7 +191,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def complete(body, chat: bool, request: Request, api_key: str | None):
         t_start = time.perf_counter()
         prompt = prompt_ids(body)
-        max_tokens = _requested_max_tokens(body) or settings.max_tokens_default
+        max_tokens = requested_max_tokens(body) or settings.max_tokens_default
         await state["limiter"].admit(api_key, (len(prompt) + max_tokens) * body.n)
         rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
         metrics.prompt_tokens.inc(len(prompt) * body.n)
@@ -210,19 +220,19 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await slot.__aexit__(None, None, None)
         choices = []
         n_out = 0
-        want_lp = (body.logprobs if chat else body.logprobs is not None)
+        want_lp = wants_logprobs(body, chat)
         for i, (tokens, text, finish, lps, _trace) in enumerate(results):
             n_out += len(tokens)
             c = {"index": i, "finish_reason": finish}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
-                c["logprobs"] = _chat_logprobs(lps) if want_lp else None
+                c["logprobs"] = chat_logprobs(lps, token_text) if want_lp else None
             else:
                 c["text"] = text
-                c["logprobs"] = _completion_logprobs(lps) if want_lp else None
+                c["logprobs"] = completion_logprobs(lps, token_text) if want_lp else None
             choices.append(c)
         metrics.requests.labels("200").inc()
-        timing = _timing(results[0][4], t_start)
+        timing = timing_field(results[0][4], t_start)
         out = {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": choices,
                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                          "total_tokens": len(prompt) + n_out}, "tandem": timing}
@@ -243,7 +253,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             finish = ev.finish_reason or finish
         # Same incremental detokenizer as the stream (and the engine): identical text either way.
         stream = tokenizer.decode_stream()
-        text, finish = _cut_stops("".join(stream.step(t) for t in tokens), body.stop, finish)
+        text, finish = cut_stops("".join(stream.step(t) for t in tokens), body.stop, finish)
         metrics.completion_tokens.inc(len(tokens))
         metrics.latency.observe(time.perf_counter() - t_start)
         _observe_trace(trace)
@@ -272,16 +282,18 @@ def create_app(settings: RouterSettings) -> FastAPI:
         last_t = None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        want_lp = body.logprobs if chat else body.logprobs is not None
+        want_lp = wants_logprobs(body, chat)
         pending_lps: list[dict] = []  # tokens whose logprobs go out with the next text chunk
-        lp_offset = [0]
+        lp_offset = 0  # completions' text_offset runs on across chunks
 
         def chunk(delta: str, finish):
+            nonlocal lp_offset
             lp = None
             if want_lp and pending_lps:
-                lp = _chat_logprobs(pending_lps) if chat else _completion_logprobs(pending_lps, lp_offset[0])
+                lp = (chat_logprobs(pending_lps, token_text) if chat
+                      else completion_logprobs(pending_lps, token_text, lp_offset))
                 if not chat:
-                    lp_offset[0] += sum(len(t) for t in lp["tokens"])
+                    lp_offset += sum(len(t) for t in lp["tokens"])
                 pending_lps.clear()
             if chat:
                 choice = {"index": 0, "delta": {"content": delta} if delta or finish is None else {},
@@ -293,7 +305,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         if chat:
             role = chunk("", None)
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield _data(role)
+            yield sse_data(role)
         finish = None
         try:
             items = [] if first is None else [first]
@@ -308,32 +320,32 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 pending_lps.extend(ev.logprobs or [])
                 for t in ev.token_ids:
                     text_all += stream.step(t)
-                cut, reason = _cut_stops(text_all, stops, ev.finish_reason)
+                cut, reason = cut_stops(text_all, stops, ev.finish_reason)
                 if reason == "stop" and len(cut) < len(text_all):
                     text_all, finish = cut, "stop"
                 else:
                     finish = ev.finish_reason
                 safe = len(text_all) if finish else max(text_sent, len(text_all) - hold)
                 if safe > text_sent:
-                    yield _data(chunk(text_all[text_sent:safe], None))
+                    yield sse_data(chunk(text_all[text_sent:safe], None))
                     text_sent = safe
                 if finish:
                     break
             final = chunk("", finish or "stop")
-            final["tandem"] = _timing(trace, t_start)
-            yield _data(final)
+            final["tandem"] = timing_field(trace, t_start)
+            yield sse_data(final)
             if include_usage:
                 usage = {"id": rid, "object": obj, "created": created, "model": settings.model, "choices": [],
                          "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                                    "total_tokens": len(prompt) + n_out}}
-                yield _data(usage)
+                yield sse_data(usage)
             yield b"data: [DONE]\n\n"
             metrics.requests.labels("200").inc()
             metrics.completion_tokens.inc(n_out)
             metrics.latency.observe(time.perf_counter() - t_start)
             _observe_trace(trace)
         except APIError as e:
-            yield _data({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+            yield sse_data({"error": {"message": e.message, "type": "server_error", "code": e.code}})
             yield b"data: [DONE]\n\n"
         finally:
             await gen.aclose()  # client gone: closing the worker stream aborts both legs
@@ -341,15 +353,15 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     # The body is validated here rather than by FastAPI's dependency layer: the same pydantic
     # models and the same 400s, for about a third of the per-request cost (bench/router_overhead.py).
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         api_key = auth.check(request.headers.get("authorization"))  # 401 before any 400
-        return await complete(_parse(ChatCompletionRequest, await request.body()), True, request, api_key)
+        return await complete(parse_body(ChatCompletionRequest, await request.body()), True, request, api_key)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         api_key = auth.check(request.headers.get("authorization"))
-        return await complete(_parse(CompletionRequest, await request.body()), False, request, api_key)
+        return await complete(parse_body(CompletionRequest, await request.body()), False, request, api_key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -378,84 +390,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _chat_logprobs(lps: list[dict]) -> dict:
-        def entry(tid, lp):
-            text = token_text(tid)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-        return {"content": [{**entry(x["token_id"], x["logprob"]),
-                             "top_logprobs": [entry(t, v) for t, v in x.get("top", [])]} for x in lps]}
-
-    def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
-        tokens = [token_text(x["token_id"]) for x in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
-                "top_logprobs": [{token_text(t): v for t, v in x.get("top", [])} for x in lps],
-                "text_offset": offsets}
-
     app.state.directory = directory
     return app
 
 
-def _parse(model, raw: bytes):
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False)) from e
-
-
-def _body_schema(model) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema()}}}}
-
-
-def _requested_max_tokens(body) -> int | None:
-    return getattr(body, "max_completion_tokens", None) or body.max_tokens
-
-
-class BodyLimit:
-    """Refuse requests whose declared body exceeds `max_bytes` with an OpenAI-format 413."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    from common.errors import error_body
-
-                    resp = JSONResponse(error_body(413, f"request body over {self.max_bytes} bytes",
-                                                   "request_too_large"), 413)
-                    await resp(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
-
-
-def _cut_stops(text: str, stops: list[str], finish):
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (best is None or i < best):
-            best = i
-    if best is None:
-        return text, finish
-    return text[:best], "stop"
-
-
-def _timing(trace: Trace | None, t_start: float) -> dict:
-    if trace is None:
-        return {}
-    wt = trace.worker_timing
-    return {"plan": trace.plan, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
-            "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
-            "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
-            "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
-            "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback}
-
-
-def _data(obj: dict) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -1,0 +1,87 @@
+"""The OpenAI wire format on the router's side: request bodies in, choices / logprobs / SSE
+frames / the `tandem` timing field out. Pure functions; the app wires them to the tokenizer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import orjson
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from router.dispatch import Trace
+
+TokenText = Callable[[int], str]
+
+
+def parse_body(model, raw: bytes):
+    """`model` validated from the raw JSON body; errors become FastAPI's (OpenAI-format) 400."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from e
+
+
+def body_schema(model) -> dict:
+    """OpenAPI `requestBody` for an endpoint that parses its body with `parse_body`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema()}}}}
+
+
+def requested_max_tokens(body) -> int | None:
+    return getattr(body, "max_completion_tokens", None) or body.max_tokens
+
+
+def wants_logprobs(body, chat: bool) -> bool:
+    # Chat asks with `logprobs: true`; completions with `logprobs: N` (0 included).
+    return bool(body.logprobs) if chat else body.logprobs is not None
+
+
+def chat_logprobs(lps: list[dict], token_text: TokenText) -> dict:
+    def entry(tid, lp):
+        text = token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(x["token_id"], x["logprob"]),
+                         "top_logprobs": [entry(t, v) for t, v in x.get("top", [])]} for x in lps]}
+
+
+def completion_logprobs(lps: list[dict], token_text: TokenText, pos: int = 0) -> dict:
+    """Completions-style logprobs; `pos` is the text offset of the first token (streams go on)."""
+    tokens = [token_text(x["token_id"]) for x in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
+            "top_logprobs": [{token_text(t): v for t, v in x.get("top", [])} for x in lps],
+            "text_offset": offsets}
+
+
+def cut_stops(text: str, stops: list[str], finish):
+    """`text` cut before the earliest stop string (finish becomes "stop"), else unchanged."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (best is None or i < best):
+            best = i
+    if best is None:
+        return text, finish
+    return text[:best], "stop"
+
+
+def timing_field(trace: Trace | None, t_start: float) -> dict:
+    """The `tandem` field of a response: plan, workers, cached tokens and where the time went."""
+    if trace is None:
+        return {}
+    wt = trace.worker_timing
+    return {"plan": trace.plan, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
+            "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
+            "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
+            "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
+            "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback}
+
+
+def sse_data(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
