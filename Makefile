@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test lint kernels bench-engine bench-kv clean
+.PHONY: install tools demo test test-vllm lint kernels bench-engine bench-kv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ demo: install
 test: install tools
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Tandem's router over two real vLLM CPU servers with the NixlConnector (a 3.5 GB venv).
+test-vllm: install
+	bash bench/setup_vllm_cpu.sh
+	$(BIN)/tandem prepare-model
+	$(BIN)/python -m pytest -m vllm tests/router/test_vllm_backend.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

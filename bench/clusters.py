@@ -16,7 +16,7 @@ from tests.worker.cluster import Router, Worker  # noqa: E402 - the same process
 
 def run_on_cluster(name: str, roles: list[str], model: str, workload_name: str, sessions, work: Path, *,
                    policy: str = "kv_aware", num_blocks: int = 2048, worker_args: list[str] | None = None,
-                   concurrency: int = 4) -> dict:
+                   concurrency: int = 4, router_env: dict[str, str] | None = None) -> dict:
     """Starts `roles` workers and a router, runs `sessions`, stops everything; the bench summary."""
     from engine.model_store import resolve_model
 
@@ -24,7 +24,7 @@ def run_on_cluster(name: str, roles: list[str], model: str, workload_name: str, 
     ns = f"bench-{name}-{uuid.uuid4().hex[:6]}"
     workers = [Worker(role, str(folder), cache_dir=work, namespace=ns, num_blocks=num_blocks,
                       extra=worker_args) for role in roles]
-    router = Router(folder, ns, cache_dir=work, policy=policy)
+    router = Router(folder, ns, cache_dir=work, policy=policy, env=router_env)
     try:
         router.wait_workers(len(roles))
         return run(f"{router.url}/v1", folder.name, workload_name, len(sessions), concurrency=concurrency,

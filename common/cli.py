@@ -267,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--namespace", default="default")
-    p.add_argument("--worker", action="append", help="static worker, e.g. decode=http://127.0.0.1:8300")
+    p.add_argument("--worker", action="append",
+                   help="static worker [backend:]role=url, e.g. decode=http://127.0.0.1:8300 (a Tandem "
+                   "worker) or vllm:prefill=http://127.0.0.1:8100 (vLLM with the NixlConnector)")
     p.add_argument("--policy", default="kv_aware",
                    choices=["kv_aware", "round_robin", "least_loaded", "random"])
     p.add_argument("--internal-token", default=None)

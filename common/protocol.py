@@ -108,6 +108,7 @@ class RequestTiming(BaseModel):
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    transfer_bytes: int = 0  # KV bytes pulled from the prefill worker
     decode_s: float = 0.0
 
 

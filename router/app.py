@@ -27,8 +27,9 @@ from common.registry import RedisKeys
 from common.streams import prepend
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.admission import Admission
+from router.backends import BACKENDS, RequestRejected, WorkerFailure
 from router.body_limit import BodyLimit
-from router.dispatch import Dispatcher, RequestRejected, Trace, WorkerFailure
+from router.dispatch import Dispatcher, Trace
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
@@ -70,9 +71,18 @@ def create_app(settings: RouterSettings) -> FastAPI:
             timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s, connect=2.0),
             connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=60),
             auto_decompress=False, read_bufsize=1 << 20)  # one NDJSON event must fit a line
-        state["dispatch"] = Dispatcher(http, directory, settings.internal_token,
-                                       settings.max_prefill_retries, settings.retry_backoff_s)
+        tokens = {"tandem": settings.internal_token, "vllm": settings.vllm_api_key}
+        backends = {name: cls(http, tokens[name], settings.model, settings.prefill_timeout_s)
+                    for name, cls in BACKENDS.items()}
+        state["dispatch"] = Dispatcher(backends, directory, settings.max_prefill_retries,
+                                       settings.retry_backoff_s)
         tasks = []
+        if any(w.static for w in directory.workers.values()):
+            def probe(w):
+                return backends[w.backend].probe(w)
+
+            await directory.probe_static(probe)
+            tasks.append(asyncio.create_task(directory.run_probes(probe, settings.probe_interval_s)))
         if settings.redis_url:
             import redis.asyncio as aioredis
 
@@ -102,19 +112,27 @@ def create_app(settings: RouterSettings) -> FastAPI:
     # A plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs ~1 ms a call.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
+    # vLLM backends publish no block sets to our Redis: for them the router remembers what it
+    # sent where (approximate, like the SGLang router's cache_aware tree).
+    approx_index = MemoryPrefixIndex()
+
     async def route(prompt: list[int]):
         t0 = time.perf_counter()
         hashes = hasher(prompt)
         prefill, decode = directory.live("prefill"), directory.live("decode")
         colocated = directory.live("colocated")
-        ids = [w.worker_id for w in prefill + decode + colocated]
+        ids, approx_ids = [], []
+        for w in prefill + decode + colocated:
+            (ids if w.backend == "tandem" else approx_ids).append(w.worker_id)
         try:
-            matches = await state["index"].match(hashes, ids)
+            matches = await state["index"].match(hashes, ids) if ids else {}
             metrics.redis_up.set(1)
         except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
             log.warning("prefix index unavailable (%s): load-only routing", e)
             metrics.redis_up.set(0)
             matches = dict.fromkeys(ids, 0)
+        if approx_ids:
+            matches.update(await approx_index.match(hashes, approx_ids))
         ctx = RouteContext(len(prompt), len(hashes), matches, prefill, decode, colocated,
                            settings.block_size)
         try:
@@ -122,8 +140,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         except NoWorkers as e:
             raise APIError(503, str(e), "no_workers", headers={"Retry-After": "1"}) from e
         # Both legs end up holding the prompt's blocks (the decode side after its pull).
-        for w in {plan.decode.worker_id, (plan.prefill or plan.decode).worker_id}:
-            state["index"].record(w, hashes)
+        for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
+            (state["index"] if w.backend == "tandem" else approx_index).record(w.worker_id, hashes)
         metrics.route.labels(plan.kind).inc()
         metrics.overhead.observe(time.perf_counter() - t0)
         return plan

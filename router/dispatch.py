@@ -10,35 +10,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import aiohttp
-import orjson
-
 from common.protocol import SamplingOptions
+from router.backends import Backend, TokenEvent, WorkerFailure
 from router.policy import Plan
 from router.workers import WorkerDirectory, WorkerInfo
 
 log = logging.getLogger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """A worker could not be reached or answered with a server error."""
-
-
-class RequestRejected(RuntimeError):
-    """A worker refused the request itself (4xx): retrying elsewhere would not help."""
-
-    def __init__(self, status: int, body: dict) -> None:
-        super().__init__(body.get("error", {}).get("message", str(body)))
-        self.status, self.body = status, body
-
-
-@dataclass
-class TokenEvent:
-    token_ids: list[int]
-    finish_reason: str | None = None
-    num_cached_tokens: int | None = None
-    timing: dict | None = None
-    logprobs: list[dict] | None = None  # per token: {token_id, logprob, top: [[id, logprob]]}
 
 
 @dataclass
@@ -57,16 +34,13 @@ class Trace:
 
 
 class Dispatcher:
-    """Worker hops go through aiohttp: per request it costs about a third of httpx's CPU, which is
-    most of what the router adds to a request on a small machine (bench/router_overhead.py)."""
+    """Each hop goes through the worker's backend (router/backends.py); this class owns the
+    request's life across legs and workers."""
 
-    def __init__(self, http: aiohttp.ClientSession, directory: WorkerDirectory, token: str | None,
+    def __init__(self, backends: dict[str, Backend], directory: WorkerDirectory,
                  max_prefill_retries: int, retry_backoff_s: float) -> None:
-        self.http = http
+        self.backends = backends
         self.directory = directory
-        self.headers = {"Content-Type": "application/json"}
-        if token:
-            self.headers["Authorization"] = f"Bearer {token}"
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
 
@@ -78,14 +52,15 @@ class Dispatcher:
         if plan.kind == "disagg":
             pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace)
             if pre is not None:
-                first = pre["first_token_id"]
-                sent.append(first)
                 trace.num_cached_tokens = pre["num_cached_tokens"]
-                lp = pre.get("first_token_logprob")
-                yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"],
-                                 logprobs=[lp] if lp else None)
-                if pre.get("finish_reason"):
-                    return
+                first = pre.get("first_token_id")
+                if first is not None:  # Tandem: the client has its first token now
+                    sent.append(first)
+                    lp = pre.get("first_token_logprob")
+                    yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"],
+                                     logprobs=[lp] if lp else None)
+                    if pre.get("finish_reason"):
+                        return
                 kv_params = pre["kv_transfer_params"]
         tried: set[str] = set()
         while True:
@@ -93,12 +68,14 @@ class Dispatcher:
             trace.decode_worker = decode.worker_id
             try:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
-                async with aclosing(self._generate(decode, request_id, prompt, sent, sampling,
-                                                   kv_params)) as events:
+                backend = self.backends[decode.backend]
+                async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
+                                                     kv_params)) as events:
                     async for ev in events:
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or {}
+                            _learn_bandwidth(decode, trace.worker_timing)
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.num_cached_tokens = ev.num_cached_tokens
                         yield ev
@@ -134,9 +111,7 @@ class Dispatcher:
             p.inflight += 1
             p.inflight_tokens += max(uncached, 0)
             try:
-                resp = await self._post(p, "/prefill", {"request_id": request_id,
-                                                        "prompt_token_ids": prompt,
-                                                        "sampling": sampling.model_dump()})
+                resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling)
             except WorkerFailure as e:
                 self.directory.record_failure(p)
                 trace.retries += 1
@@ -163,68 +138,16 @@ class Dispatcher:
             return resp
         return None
 
-    async def _post(self, w: WorkerInfo, path: str, body: dict) -> dict:
-        try:
-            async with self.http.post(f"{w.url}{path}", data=orjson.dumps(body), headers=self.headers) as r:
-                raw = await r.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
-        if r.status >= 500 or r.status == 429:
-            raise WorkerFailure(f"{w.worker_id}: HTTP {r.status}")
-        if r.status >= 400:
-            raise RequestRejected(r.status, _json(raw))
-        return orjson.loads(raw)
-
-    async def _generate(self, w: WorkerInfo, request_id, prompt, sent, sampling, kv_params
-                        ) -> AsyncIterator[TokenEvent]:
-        body = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": list(sent),
-                "sampling": sampling.model_dump()}
-        if kv_params is not None:
-            body["kv_transfer_params"] = kv_params
-        w.inflight += 1
-        try:
-            async with self.http.post(f"{w.url}/generate", data=orjson.dumps(body),
-                                      headers=self.headers) as r:
-                if r.status >= 500 or r.status == 429:
-                    raise WorkerFailure(f"{w.worker_id}: HTTP {r.status}")
-                if r.status >= 400:
-                    raise RequestRejected(r.status, _json(await r.read()))
-                last = None
-                async for line in r.content:  # NDJSON: one event per line
-                    line = line.strip()
-                    if not line:
-                        continue
-                    ev = orjson.loads(line)
-                    if ev.get("error"):
-                        raise WorkerFailure(f"{w.worker_id}: {ev['error']}")
-                    tev = TokenEvent(ev.get("token_ids", []), ev.get("finish_reason"),
-                                     ev.get("num_cached_tokens"), ev.get("timing"), ev.get("logprobs"))
-                    if tev.finish_reason is not None:
-                        # Hold the last event until the body's end: a response read to EOF goes
-                        # back to the pool; one closed early costs a new TCP connection next time.
-                        last = tev
-                        continue
-                    yield tev
-                if last is not None:
-                    yield last
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
-        finally:
-            w.inflight -= 1
-
     async def abort(self, w: WorkerInfo | None, request_id: str) -> None:
-        if w is None:
-            return
-        try:
-            async with self.http.post(f"{w.url}/abort/{request_id}", headers=self.headers,
-                                      timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                await r.read()
-        except (aiohttp.ClientError, TimeoutError):
-            pass
+        if w is not None:
+            await self.backends[w.backend].abort(w, request_id)
 
 
-def _json(raw: bytes) -> dict:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return {"error": {"message": raw[:500].decode(errors="replace")}}
+def _learn_bandwidth(w: WorkerInfo, timing: dict) -> None:
+    """EWMA of the KV bytes/s a decode worker's pulls achieved (what kv_aware charges a transfer);
+    tiny pulls are all fixed cost and would make the link look slow."""
+    num_bytes, seconds = timing.get("transfer_bytes", 0), timing.get("transfer_s", 0.0)
+    if num_bytes >= 1 << 20 and seconds > 0:
+        rate = num_bytes / seconds
+        w.transfer_bytes_per_s = rate if w.transfer_bytes_per_s is None else \
+            0.8 * w.transfer_bytes_per_s + 0.2 * rate

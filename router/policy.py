@@ -99,6 +99,7 @@ class KVAwarePolicy:
     def __init__(self, settings: RouterSettings) -> None:
         self.s = settings
         self._fleet_rate: float | None = None
+        self._fleet_bw: float | None = None
 
     def _rate(self, w: WorkerInfo) -> float:
         # Unmeasured workers are assumed as fast as the measured ones (same model everywhere).
@@ -114,19 +115,23 @@ class KVAwarePolicy:
         rates = [w.prefill_tokens_per_s for w in ctx.prefill + ctx.decode + ctx.colocated
                  if w.prefill_tokens_per_s]
         self._fleet_rate = sum(rates) / len(rates) if rates else None
+        bws = [w.transfer_bytes_per_s for w in ctx.decode if w.transfer_bytes_per_s]
+        self._fleet_bw = sum(bws) / len(bws) if bws else None
         candidates: list[tuple[float, tuple, Plan]] = []
         for d in ctx.decode:
             held = ctx.matches.get(d.worker_id, 0)
             uncached = ctx.num_tokens - held * ctx.block_size
-            if not ctx.prefill or (uncached <= s.local_prefill_max_uncached_tokens and
-                                   held * ctx.block_size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
+            if not ctx.prefill or (s.conditional_disagg and uncached <= s.local_prefill_max_uncached_tokens
+                                   and held * ctx.block_size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, cached = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
                 candidates.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
-            # Missing full blocks plus the partial tail block always move.
+            # Missing full blocks plus the partial tail block always move, at the bandwidth this
+            # decode worker's pulls have measured (the fleet's, or the setting, until then).
             missing = max(ctx.num_blocks - held, 0) + (ctx.num_tokens % ctx.block_size > 0)
-            transfer_s = s.transfer_fixed_s + missing * s.bytes_per_block / s.default_transfer_bytes_per_s
+            bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
+            transfer_s = s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bandwidth
             for p in ctx.prefill:
                 t_p, cached_p = self._prefill_s(p, ctx)
                 t = t_p + s.transfer_weight * transfer_s

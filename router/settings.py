@@ -19,8 +19,9 @@ class RouterSettings(BaseSettings):
     hash_salt: str | None = None
     redis_url: str | None = None
     namespace: str = "default"
-    workers: list[str] = []  # static "role=url" entries, e.g. "prefill=http://127.0.0.1:8200"
+    workers: list[str] = []  # static [backend:]role=url: prefill=http://h:8200, vllm:decode=http://h:8100
     internal_token: str | None = None
+    vllm_api_key: str | None = None  # the --api-key of vLLM backends, if they have one
     api_keys: list[str] = []  # client API keys; empty = no authentication
     api_keys_file: Path | None = None  # one key per line
     rate_limit_rpm: int | None = None  # per key, shared through Redis
@@ -28,7 +29,11 @@ class RouterSettings(BaseSettings):
     policy: str = "kv_aware"
     index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
     refresh_interval_s: float = 0.5
+    probe_interval_s: float = 2.0  # health checks of statically listed workers
     request_timeout_s: float = 300.0
+    # A prefill that takes longer is treated as a failed worker (retry elsewhere, or local prefill):
+    # a stalled (SIGSTOPped, swapping) prefill worker still accepts connections and never answers.
+    prefill_timeout_s: float = 60.0
     max_prefill_retries: int = 2
     retry_backoff_s: float = 0.05
     breaker_failures: int = 3
@@ -38,8 +43,8 @@ class RouterSettings(BaseSettings):
     max_queued: int = 2048  # beyond this: 503 + Retry-After
     # kv_aware cost model (seconds); every weight and threshold is a setting.
     default_prefill_tokens_per_s: float = 1000.0
-    default_transfer_bytes_per_s: float = 2e9
-    bytes_per_block: int = 368_640
+    default_transfer_bytes_per_s: float = 2e9  # until decode workers' pulls have measured it
+    bytes_per_block: int = 368_640  # for workers that do not publish theirs
     transfer_weight: float = 1.0
     transfer_fixed_s: float = 0.005  # second leg: HTTP call, handshake, notification
     max_body_bytes: int = 4 << 20
@@ -47,6 +52,7 @@ class RouterSettings(BaseSettings):
     local_prefill_interference: float = 0.05  # extra cost per running decode on the D worker
     # Conditional disaggregation: a decode worker prefills locally only when it already holds
     # most of the prompt and what is left is short (else prefill belongs on the prefill pool).
+    conditional_disagg: bool = True  # off: every request with a prefill pool goes disagg
     local_prefill_max_uncached_tokens: int = 256
     local_prefill_min_cached_fraction: float = 0.5
     near_tie_s: float = 0.002

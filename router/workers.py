@@ -25,10 +25,13 @@ class WorkerInfo:
     max_model_len: int | None = None
     load: dict = field(default_factory=dict)
     static: bool = False
+    backend: str = "tandem"  # router/backends.py
+    block_bytes: int | None = None  # KV bytes of one block, as the worker published it
     # Circuit breaker and measured rates (kept across refreshes).
     failures: int = 0
     open_until: float = 0.0
     prefill_tokens_per_s: float | None = None
+    transfer_bytes_per_s: float | None = None  # measured on this decode worker's KV pulls
     inflight: int = 0  # requests this router has on the worker now
     inflight_tokens: int = 0  # uncached prompt tokens of the prefills among them
 
@@ -45,6 +48,17 @@ class WorkerInfo:
         return int(self.load.get("running", 0))
 
 
+def parse_static(entry: str) -> tuple[str, str, str]:
+    """`[backend:]role=url` -> (backend, role, url), e.g. `vllm:prefill=http://10.0.0.5:8100`."""
+    spec, _, url = entry.partition("=")
+    backend, _, role = spec.rpartition(":")
+    backend = backend or "tandem"
+    if not url or role not in ("prefill", "decode", "colocated") or backend not in ("tandem", "vllm"):
+        raise ValueError(f"static worker {entry!r} must look like [tandem:|vllm:]prefill=http://host:port "
+                         "(roles: prefill, decode, colocated)")
+    return backend, role, url.rstrip("/")
+
+
 class WorkerDirectory:
     def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
                  breaker_cooldown_s: float = 5.0) -> None:
@@ -54,11 +68,9 @@ class WorkerDirectory:
         self.workers: dict[str, WorkerInfo] = {}
         self.redis_ok: bool | None = None
         for i, entry in enumerate(static):
-            role, _, url = entry.partition("=")
-            if not url or role not in ("prefill", "decode", "colocated"):
-                raise ValueError(f"static worker {entry!r} must look like prefill=http://host:port")
+            backend, role, url = parse_static(entry)
             wid = f"static-{role}-{i}"
-            self.workers[wid] = WorkerInfo(wid, role, url.rstrip("/"), static=True)
+            self.workers[wid] = WorkerInfo(wid, role, url, static=True, backend=backend)
 
     def max_model_len(self, default: int) -> int:
         """The longest sequence every worker can take: its context length, and for decode-side
@@ -101,6 +113,8 @@ class WorkerDirectory:
             w.block_size = int(info.get("block_size", 16))
             w.capacity = int(info.get("capacity", 0))
             w.max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
+            w.block_bytes = int(info["block_bytes"]) if info.get("block_bytes") else None
+            w.backend = info.get("backend", "tandem")
             try:
                 w.load = json.loads(info.get("load", "{}"))
             except json.JSONDecodeError:
@@ -112,6 +126,30 @@ class WorkerDirectory:
     async def run(self, redis, interval_s: float) -> None:
         while True:
             await self.refresh(redis)
+            await asyncio.sleep(interval_s)
+
+    async def probe_static(self, probe) -> None:
+        """Health-check the statically listed workers (Redis-discovered ones prove liveness by
+        their heartbeat); `probe(w)` returns what it learned or raises."""
+        async def one(w: WorkerInfo) -> None:
+            try:
+                info = await probe(w)
+            except Exception as e:  # noqa: BLE001 - any failure: not healthy
+                if w.available:
+                    log.warning("static worker %s failed its health check: %s", w.worker_id, e)
+                self.mark_dead(w)
+                return
+            if not w.available:
+                log.info("static worker %s is healthy again", w.worker_id)
+            self.record_success(w)
+            w.model = info.get("model") or w.model
+            w.max_model_len = info.get("max_model_len") or w.max_model_len
+
+        await asyncio.gather(*(one(w) for w in self.workers.values() if w.static))
+
+    async def run_probes(self, probe, interval_s: float) -> None:
+        while True:
+            await self.probe_static(probe)
             await asyncio.sleep(interval_s)
 
     def record_failure(self, w: WorkerInfo) -> None:

@@ -109,7 +109,7 @@ async def stream_generate(
     rid = req.request_id
     kvp = req.kv_transfer_params
     t0 = time.monotonic()
-    transfer_s = 0.0
+    transfer_s, transfer_bytes = 0.0, 0
     q = engine.open_stream(rid)
     added = False
     try:
@@ -122,8 +122,8 @@ async def stream_generate(
             except ValueError as e:
                 raise APIError(400, str(e), "invalid_prompt") from e
             added = True
-            ok = await _pull(state, kvp, rid, block_table, num_local,
-                             len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
+            ok, transfer_bytes = await _pull(state, kvp, rid, block_table, num_local,
+                                             len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
             transfer_s = time.monotonic() - t0
             if not await engine.call(core.finish_import, rid, ok):
                 return  # aborted while pulling
@@ -147,6 +147,7 @@ async def stream_generate(
                 queue_s = (out.first_scheduled_time - out.arrival_time - transfer_s
                            if out.first_scheduled_time else 0.0)
                 timing = RequestTiming(queue_s=max(queue_s, 0.0), transfer_s=transfer_s,
+                                       transfer_bytes=transfer_bytes,
                                        decode_s=time.monotonic() - t0 - transfer_s)
             yield out, timing
     finally:
@@ -161,7 +162,8 @@ def _import(core, rid, prompt, params, output_token_ids):
 
 
 async def _pull(state: WorkerState, kvp: KVTransferParams, rid: str, block_table: list[int],
-                num_local: int, num_kv_tokens: int) -> bool:
+                num_local: int, num_kv_tokens: int) -> tuple[bool, int]:
+    """(pulled or held everything, bytes moved)."""
     connector, core = state.connector, state.core
     num_kv_blocks = -(-num_kv_tokens // core.block_size)
     remote = kvp.remote_block_ids or []
@@ -173,15 +175,15 @@ async def _pull(state: WorkerState, kvp: KVTransferParams, rid: str, block_table
         peer = await connector.peer(kvp.remote_engine_id, f"http://{kvp.remote_host}:{kvp.remote_port}")
         if num_local >= num_kv_blocks:
             await connector.notify(peer, remote_rid)
-        else:
-            await connector.fetch(peer, remote_rid, remote[num_local:num_kv_blocks],
-                                  block_table[num_local:num_kv_blocks])
-        return True
+            return True, 0
+        stats = await connector.fetch(peer, remote_rid, remote[num_local:num_kv_blocks],
+                                      block_table[num_local:num_kv_blocks])
+        return True, stats.num_bytes
     except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
         reason = "timeout" if "timed out" in str(e) else type(e).__name__
         state.metrics.pull_fallbacks.labels(reason).inc()
         log.warning("KV pull failed (%s); prefilling locally", e, extra={"request_id": rid})
-        return False
+        return False, 0
 
 
 def _event(rid: str, out: RequestOutput, with_logprobs: bool) -> StreamEvent:

@@ -97,6 +97,8 @@ class WorkerState:
             "capacity": core.num_blocks, "engine_id": s.resolved_worker_id,
             "transport": self.connector.transport.name if self.connector else "",
             "max_model_len": core.max_model_len, "started_at": self.started_at,
+            # What one block costs to move: the router's kv_aware charges transfers with it.
+            "block_bytes": core.kv_cache[0].numel() * core.kv_cache.element_size(),
         }
 
     def load(self) -> dict:

@@ -120,20 +120,23 @@ def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampli
 class Router:
     """A real `tandem router` process over Redis discovery."""
 
-    def __init__(self, tokenizer_folder: Path, namespace: str, *, cache_dir: Path,
+    def __init__(self, tokenizer_folder: Path, namespace: str | None, *, cache_dir: Path,
                  policy: str = "kv_aware", block_size: int = 4, token: str | None = TOKEN,
-                 redis_url: str = REDIS_URL, extra: list[str] | None = None) -> None:
+                 redis_url: str | None = REDIS_URL, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "common.cli", "router", "--model", tokenizer_folder.name,
                "--tokenizer", str(tokenizer_folder), "--block-size", str(block_size),
-               "--redis-url", redis_url, "--namespace", namespace, "--port", str(self.port),
-               "--policy", policy]
+               "--port", str(self.port), "--policy", policy]
+        if redis_url:
+            cmd += ["--redis-url", redis_url, "--namespace", namespace]
         if token:
             cmd += ["--internal-token", token]
         cmd += extra or []
         self.log = open(cache_dir / f"router-{self.port}.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
     def wait_workers(self, n: int, timeout: float = 30) -> None:
