@@ -1,0 +1,102 @@
+"""The routing policies on hand-built worker sets (one layer: no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.dispatch import _learn_bandwidth
+from router.policy import NoWorkers, RouteContext, make_policy
+from router.settings import RouterSettings
+from router.workers import WorkerInfo
+
+BS = 16
+
+
+def ctx(num_tokens, matches, prefill=(), decode=(), colocated=()):
+    return RouteContext(num_tokens, num_tokens // BS, matches, list(prefill), list(decode),
+                        list(colocated), BS)
+
+
+def worker(wid, role, **kw):
+    w = WorkerInfo(wid, role, f"http://{wid}", block_size=BS, prefill_tokens_per_s=1000.0)
+    for k, v in kw.items():
+        setattr(w, k, v)
+    return w
+
+
+def policy(**settings):
+    return make_policy("kv_aware", RouterSettings(**settings))
+
+
+def test_kv_aware_prefills_where_the_prompt_is_cached():
+    p1, p2, d = worker("p1", "prefill"), worker("p2", "prefill"), worker("d", "decode")
+    plan = policy().choose(ctx(1024, {"p2": 56}, [p1, p2], [d]))
+    assert (plan.kind, plan.prefill.worker_id, plan.cached_blocks) == ("disagg", "p2", 56)
+    # The same prompt cached nowhere: the less loaded prefill worker.
+    p2.load = {"waiting_tokens": 4000}
+    assert policy().choose(ctx(1024, {}, [p1, p2], [d])).prefill.worker_id == "p1"
+
+
+def test_conditional_disaggregation_and_its_switch():
+    p, d = worker("p", "prefill"), worker("d", "decode")
+    held = {"d": 60, "p": 60}  # the decode worker holds 960 of 1000 tokens (the conversation)
+    assert policy().choose(ctx(1000, held, [p], [d])).kind == "decode_local"
+    assert policy(conditional_disagg=False).choose(ctx(1000, held, [p], [d])).kind == "disagg"
+    # Holding too little of the prompt: prefill belongs on the prefill pool.
+    assert policy().choose(ctx(1000, {"d": 10}, [p], [d])).kind == "disagg"
+
+
+def test_transfer_is_charged_at_the_measured_bandwidth():
+    p = worker("p", "prefill")
+    slow = worker("d-slow", "decode", transfer_bytes_per_s=5e6, block_bytes=400_000)
+    fast = worker("d-fast", "decode", transfer_bytes_per_s=5e9, block_bytes=400_000)
+    plan = policy().choose(ctx(2048, {}, [p], [slow, fast]))
+    assert plan.decode.worker_id == "d-fast"
+    # 128 blocks x 400 kB at 5 MB/s is ~10 s: on that link alone, local prefill of the whole
+    # prompt (~2 s at 1000 tok/s) beats fetching it, even though D holds nothing.
+    only_slow = policy(local_prefill_min_cached_fraction=0.0, local_prefill_max_uncached_tokens=10_000)
+    assert only_slow.choose(ctx(2048, {}, [p], [slow])).kind == "decode_local"
+    # An unmeasured worker gets the fleet's measured figure, not the optimistic default.
+    new = worker("d-new", "decode", block_bytes=400_000)
+    plan = policy(conditional_disagg=False).choose(ctx(2048, {}, [p], [slow, new]))
+    assert plan.predicted_s > 10  # ~2 s prefill + ~10 s pull; at the 2 GB/s default it would be ~2 s
+
+
+def test_measured_bandwidth_is_an_ewma_of_real_pulls():
+    d = worker("d", "decode")
+    _learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.01})
+    assert d.transfer_bytes_per_s == pytest.approx((10 << 20) / 0.01)
+    _learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.02})
+    assert d.transfer_bytes_per_s == pytest.approx(0.8 * (10 << 20) / 0.01 + 0.2 * (10 << 20) / 0.02)
+    before = d.transfer_bytes_per_s
+    _learn_bandwidth(d, {"transfer_bytes": 4096, "transfer_s": 0.5})  # tiny pull: all fixed cost
+    _learn_bandwidth(d, {})
+    assert d.transfer_bytes_per_s == before
+
+
+def test_near_ties_go_to_the_less_loaded_decode_worker():
+    p = worker("p", "prefill")
+    d1 = worker("d1", "decode", load={"running": 6})
+    d2 = worker("d2", "decode", load={"running": 1})
+    assert policy().choose(ctx(256, {}, [p], [d1, d2])).decode.worker_id == "d2"
+
+
+def test_pools_missing():
+    d, c = worker("d", "decode"), worker("c", "colocated")
+    assert policy().choose(ctx(64, {}, [], [d])).kind == "decode_local"
+    assert policy().choose(ctx(64, {}, [], [], [c])).kind == "colocated"
+    for name in ("kv_aware", "round_robin", "least_loaded", "random"):
+        with pytest.raises(NoWorkers):
+            make_policy(name, RouterSettings()).choose(ctx(64, {}, [worker("p", "prefill")], []))
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest", RouterSettings())
+
+
+def test_round_robin_alternates_and_least_loaded_picks_the_idle():
+    p1, p2, d = worker("p1", "prefill"), worker("p2", "prefill"), worker("d", "decode")
+    rr = make_policy("round_robin", RouterSettings())
+    assert [rr.choose(ctx(64, {}, [p1, p2], [d])).prefill.worker_id for _ in range(4)] == \
+        ["p1", "p2", "p1", "p2"]
+    p1.inflight = 3
+    assert make_policy("least_loaded", RouterSettings()).choose(
+        ctx(64, {}, [p1, p2], [d])).prefill.worker_id == "p2"
