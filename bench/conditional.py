@@ -1,6 +1,6 @@
 """Conditional disaggregation on vs off on multi-turn traffic, in one run.
 
-    .venv/bin/python bench/conditional.py [--model smollm2] [--sessions 8] [--turns 4]
+    .venv/bin/python bench/conditional.py [--model smollm2-135m-instruct] [--sessions 8] [--turns 4]
 
 Both arms get a fresh 1 prefill + 1 decode cluster and the same seeded multi-turn workload
 (closed loop). "on" is the default kv_aware router: a decode worker that already holds most of a
@@ -24,7 +24,7 @@ from loadgen import workload
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=2)

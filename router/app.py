@@ -27,7 +27,7 @@ from common.registry import RedisKeys
 from common.streams import prepend
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.admission import Admission
-from router.backends import BACKENDS, RequestRejected, WorkerFailure
+from router.backends import BACKENDS, RequestRejected, Timeouts, WorkerFailure
 from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher, Trace
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
@@ -56,6 +56,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
     tokenizer = Tokenizer(settings.tokenizer_folder)
+    vocab_size = tokenizer.vocab_size
     hasher = BlockHasher(settings.model, settings.block_size, settings.hash_salt)
     keys = RedisKeys(settings.namespace)
     directory = WorkerDirectory(keys, settings.workers, settings.breaker_failures,
@@ -72,7 +73,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
             connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=60),
             auto_decompress=False, read_bufsize=1 << 20)  # one NDJSON event must fit a line
         tokens = {"tandem": settings.internal_token, "vllm": settings.vllm_api_key}
-        backends = {name: cls(http, tokens[name], settings.model, settings.prefill_timeout_s)
+        timeouts = Timeouts(settings.prefill_timeout_s, settings.stream_stall_timeout_s,
+                            settings.request_timeout_s)
+        backends = {name: cls(http, tokens[name], settings.model, timeouts)
                     for name, cls in BACKENDS.items()}
         state["dispatch"] = Dispatcher(backends, directory, settings.max_prefill_retries,
                                        settings.retry_backoff_s)
@@ -181,6 +184,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 raise APIError(400, "send one prompt per request", "invalid_prompt", "prompt")
         if not ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
+        if min(ids) < 0 or max(ids) >= vocab_size:  # also keeps them hashable as uint32
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "invalid_prompt", "prompt")
         limit = directory.max_model_len(settings.max_model_len_default)
         max_tokens = requested_max_tokens(body) or 0
         if len(ids) + max(max_tokens, 1) > limit:
@@ -371,12 +376,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     # The body is validated here rather than by FastAPI's dependency layer: the same pydantic
     # models and the same 400s, for about a third of the per-request cost (bench/router_overhead.py).
-    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest, settings.model))
     async def chat_completions(request: Request):
         api_key = auth.check(request.headers.get("authorization"))  # 401 before any 400
         return await complete(parse_body(ChatCompletionRequest, await request.body()), True, request, api_key)
 
-    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest, settings.model))
     async def completions(request: Request):
         api_key = auth.check(request.headers.get("authorization"))
         return await complete(parse_body(CompletionRequest, await request.body()), False, request, api_key)

@@ -40,6 +40,17 @@ class RequestRejected(RuntimeError):
 
 
 @dataclass
+class Timeouts:
+    """Per-hop limits (seconds). A stalled worker (SIGSTOPped, swapping, wedged) still accepts
+    connections and never answers, so only a timeout turns it into a failure the dispatcher can
+    route around: prefill is retried elsewhere, a decode stream resumes on another worker."""
+
+    prefill_s: float = 60.0
+    stream_stall_s: float = 30.0  # longest gap between two chunks of a decode stream
+    total_s: float = 300.0
+
+
+@dataclass
 class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None = None
@@ -53,7 +64,7 @@ class Backend(Protocol):
     first_token_from_prefill: bool
 
     def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
-                 prefill_timeout_s: float) -> None: ...
+                 timeouts: Timeouts) -> None: ...
 
     async def prefill(self, w: WorkerInfo, request_id: str, prompt: list[int],
                       sampling: SamplingOptions) -> dict:
@@ -78,9 +89,10 @@ class TandemBackend:
     first_token_from_prefill = True
 
     def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
-                 prefill_timeout_s: float) -> None:
+                 timeouts: Timeouts) -> None:
         self.http = http
-        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s)
+        self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
+        self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
         self.headers = {"Content-Type": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -96,7 +108,7 @@ class TandemBackend:
                 "sampling": sampling.model_dump()}
         if kv_params is not None:
             body["kv_transfer_params"] = kv_params
-        async with _stream(self.http, w, "/generate", self.headers, body) as r:
+        async with _stream(self.http, w, "/generate", self.headers, body, self.stream_timeout) as r:
             last = None
             async for line in r.content:  # NDJSON: one event per line
                 line = line.strip()
@@ -135,9 +147,10 @@ class VLLMBackend:
     first_token_from_prefill = False
 
     def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
-                 prefill_timeout_s: float) -> None:
+                 timeouts: Timeouts) -> None:
         self.http = http
-        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s)
+        self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
+        self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
         self.model = model
         self.headers = {"Content-Type": "application/json"}
         if token:  # vLLM's --api-key
@@ -190,7 +203,8 @@ class VLLMBackend:
             body["kv_transfer_params"] = kv_params
         want_lp = sampling.logprobs is not None
         num_cached = None
-        async with _stream(self.http, w, "/v1/completions", self._headers(request_id), body) as r:
+        async with _stream(self.http, w, "/v1/completions", self._headers(request_id), body,
+                           self.stream_timeout) as r:
             last = None
             async for line in r.content:  # SSE: "data: {...}" lines
                 line = line.strip()
@@ -288,15 +302,17 @@ class _stream:
     errors and worker 5xx become WorkerFailure, 4xx RequestRejected, and the worker's in-flight
     count covers the whole stream."""
 
-    def __init__(self, http, w: WorkerInfo, path: str, headers: dict, body: dict) -> None:
+    def __init__(self, http, w: WorkerInfo, path: str, headers: dict, body: dict,
+                 timeout: aiohttp.ClientTimeout) -> None:
         self.http, self.w, self.path, self.headers, self.body = http, w, path, headers, body
+        self.timeout = timeout
         self._cm = None
 
     async def __aenter__(self):
         self.w.inflight += 1
         try:
             self._cm = self.http.post(f"{self.w.url}{self.path}", data=orjson.dumps(self.body),
-                                      headers=self.headers)
+                                      headers=self.headers, timeout=self.timeout)
             r = await self._cm.__aenter__()
             if r.status >= 400:
                 raw = await r.read()

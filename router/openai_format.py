@@ -23,10 +23,25 @@ def parse_body(model, raw: bytes):
         raise RequestValidationError(e.errors(include_url=False)) from e
 
 
-def body_schema(model) -> dict:
-    """OpenAPI `requestBody` for an endpoint that parses its body with `parse_body`."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema()}}}}
+def body_schema(model, served_model: str) -> dict:
+    """OpenAPI `requestBody` for an endpoint that parses its body with `parse_body`; nested
+    models are inlined (pydantic's `#/$defs/...` refs do not resolve inside an OpenAPI document)
+    and `model` names the one model this router serves (any other is a 404)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+    schema["properties"]["model"]["enum"] = [served_model]
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def requested_max_tokens(body) -> int | None:

@@ -31,9 +31,10 @@ class RouterSettings(BaseSettings):
     refresh_interval_s: float = 0.5
     probe_interval_s: float = 2.0  # health checks of statically listed workers
     request_timeout_s: float = 300.0
-    # A prefill that takes longer is treated as a failed worker (retry elsewhere, or local prefill):
-    # a stalled (SIGSTOPped, swapping) prefill worker still accepts connections and never answers.
+    # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried
+    # elsewhere or done locally, a decode stream resumes on another worker.
     prefill_timeout_s: float = 60.0
+    stream_stall_timeout_s: float = 30.0  # longest silence inside a decode stream
     max_prefill_retries: int = 2
     retry_backoff_s: float = 0.05
     breaker_failures: int = 3

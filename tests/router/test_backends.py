@@ -14,7 +14,14 @@ import pytest
 from aiohttp import web
 
 from common.protocol import SamplingOptions
-from router.backends import BACKENDS, RequestRejected, VLLMBackend, WorkerFailure, _vllm_tokens
+from router.backends import (
+    BACKENDS,
+    RequestRejected,
+    Timeouts,
+    VLLMBackend,
+    WorkerFailure,
+    _vllm_tokens,
+)
 from router.workers import WorkerInfo, parse_static
 
 CAPTURE = Path(__file__).parent / "vllm_capture"
@@ -68,9 +75,11 @@ class Replay:
         lines = (CAPTURE / "decode.sse").read_bytes().split(b"\n\n")
         if self.mode == "cut":  # the server dies before the finish chunk
             lines = lines[:3]
-        for chunk in lines:
+        for i, chunk in enumerate(lines):
             if chunk.strip():
                 await resp.write(chunk + b"\n\n")
+            if self.mode == "stall" and i == 2:  # alive but silent past the stall timeout
+                await asyncio.sleep(2.5)
         await resp.write_eof()
         return resp
 
@@ -84,7 +93,7 @@ class Replay:
         port = site._server.sockets[0].getsockname()[1]
         try:
             async with aiohttp.ClientSession() as http:
-                backend = VLLMBackend(http, "secret", "smollm2-135m-instruct", prefill_timeout_s=5)
+                backend = VLLMBackend(http, "secret", "smollm2-135m-instruct", Timeouts(prefill_s=5, stream_stall_s=1, total_s=10))
                 w = WorkerInfo("v0", "decode", f"http://127.0.0.1:{port}", backend="vllm")
                 return await coro_fn(backend, w)
         finally:
@@ -138,7 +147,7 @@ def test_decode_leg_streams_token_ids_and_resumes_after_sent_tokens():
 
 
 @pytest.mark.parametrize("mode,error", [("400", RequestRejected), ("500", WorkerFailure),
-                                        ("cut", WorkerFailure)])
+                                        ("cut", WorkerFailure), ("stall", WorkerFailure)])
 def test_decode_failures_are_typed(mode, error):
     replay = Replay(mode)
 
@@ -156,7 +165,7 @@ def test_decode_failures_are_typed(mode, error):
 def test_a_dead_vllm_server_is_a_worker_failure():
     async def go():
         async with aiohttp.ClientSession() as http:
-            backend = VLLMBackend(http, None, "m", prefill_timeout_s=1)
+            backend = VLLMBackend(http, None, "m", Timeouts(1, 1, 2))
             w = WorkerInfo("v0", "prefill", "http://127.0.0.1:9", backend="vllm")
             with pytest.raises(WorkerFailure):
                 await backend.prefill(w, "r", PROMPT, SamplingOptions())
