@@ -54,6 +54,10 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+class DuplicateRequestId(ValueError):
+    """A request id that a running, held or importing request already has."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -115,8 +119,8 @@ class LLMEngine:
         params: SamplingParams,
         output_token_ids: list[int] | None,
     ) -> Sequence:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.requests or request_id in self.held or request_id in self.importing:
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("prompt must contain at least one token")

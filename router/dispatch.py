@@ -75,7 +75,7 @@ class Dispatcher:
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or {}
-                            _learn_bandwidth(decode, trace.worker_timing)
+                            learn_bandwidth(decode, trace.worker_timing)
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.num_cached_tokens = ev.num_cached_tokens
                         yield ev
@@ -129,11 +129,7 @@ class Dispatcher:
                 p.inflight_tokens -= max(uncached, 0)
             elapsed = time.monotonic() - t0
             trace.prefill_s = elapsed
-            computed = len(prompt) - resp["num_cached_tokens"]
-            if computed > 64 and elapsed > 0:  # learn the worker's prefill rate (EWMA)
-                rate = computed / elapsed
-                p.prefill_tokens_per_s = rate if p.prefill_tokens_per_s is None else \
-                    0.8 * p.prefill_tokens_per_s + 0.2 * rate
+            learn_prefill_rate(p, len(prompt) - resp["num_cached_tokens"], elapsed)
             self.directory.record_success(p)
             return resp
         return None
@@ -143,7 +139,16 @@ class Dispatcher:
             await self.backends[w.backend].abort(w, request_id)
 
 
-def _learn_bandwidth(w: WorkerInfo, timing: dict) -> None:
+def learn_prefill_rate(w: WorkerInfo, num_computed: int, seconds: float) -> None:
+    """EWMA of a worker's prefill tokens/s, from one prefill leg (queueing included: it is what
+    the next request will see); short prompts are mostly fixed cost and are skipped."""
+    if num_computed > 64 and seconds > 0:
+        rate = num_computed / seconds
+        w.prefill_tokens_per_s = rate if w.prefill_tokens_per_s is None else \
+            0.8 * w.prefill_tokens_per_s + 0.2 * rate
+
+
+def learn_bandwidth(w: WorkerInfo, timing: dict) -> None:
     """EWMA of the KV bytes/s a decode worker's pulls achieved (what kv_aware charges a transfer);
     tiny pulls are all fixed cost and would make the link look slow."""
     num_bytes, seconds = timing.get("transfer_bytes", 0), timing.get("transfer_s", 0.0)

@@ -13,6 +13,7 @@ ties go to the less loaded worker.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass
 from typing import Protocol
@@ -117,7 +118,8 @@ class KVAwarePolicy:
         self._fleet_rate = sum(rates) / len(rates) if rates else None
         bws = [w.transfer_bytes_per_s for w in ctx.decode if w.transfer_bytes_per_s]
         self._fleet_bw = sum(bws) / len(bws) if bws else None
-        candidates: list[tuple[float, tuple, Plan]] = []
+        local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
+        transfer: list[tuple[float, WorkerInfo]] = []  # (weighted transfer seconds, decode worker)
         for d in ctx.decode:
             held = ctx.matches.get(d.worker_id, 0)
             uncached = ctx.num_tokens - held * ctx.block_size
@@ -126,26 +128,37 @@ class KVAwarePolicy:
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, cached = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
-                candidates.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
+                local.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
             # Missing full blocks plus the partial tail block always move, at the bandwidth this
             # decode worker's pulls have measured (the fleet's, or the setting, until then).
             missing = max(ctx.num_blocks - held, 0) + (ctx.num_tokens % ctx.block_size > 0)
             bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
             transfer_s = s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bandwidth
-            for p in ctx.prefill:
-                t_p, cached_p = self._prefill_s(p, ctx)
-                t = t_p + s.transfer_weight * transfer_s
-                candidates.append((t, _load_key(p) + _load_key(d), Plan("disagg", d, p, t, cached_p)))
+            transfer.append((s.transfer_weight * transfer_s, d))
         for c in ctx.colocated:
             t, cached = self._prefill_s(c, ctx)
             t *= 1 + s.local_prefill_interference * c.running()
-            candidates.append((t, _load_key(c), Plan("colocated", c, None, t, cached)))
-        if not candidates:
+            local.append((t, _load_key(c), Plan("colocated", c, None, t, cached)))
+        prefill = [(*self._prefill_s(p, ctx), p) for p in ctx.prefill] if transfer else []
+        # A disaggregated plan costs prefill(p) + transfer(d): the two terms are independent, so
+        # the search is over P + D workers, not P x D pairs (128 workers: 128 terms, not 4096).
+        min_td = min((t for t, _ in transfer), default=math.inf)
+        best = min([t for t, _, _ in prefill] or [math.inf]) + min_td
+        best = min([best] + [t for t, _, _ in local])
+        if best == math.inf:
             raise NoWorkers("no live decode or colocated worker")
-        best = min(c[0] for c in candidates)
-        near = [c for c in candidates if c[0] <= best + s.near_tie_s]
-        # Among near ties prefer disaggregation (keeps prefill off decode workers), then load.
-        near.sort(key=lambda c: (c[2].kind != "disagg", c[1], c[0]))
+        bound = best + s.near_tie_s
+        # Among near ties prefer disaggregation (keeps prefill off decode workers), then the less
+        # loaded prefill worker, then the less loaded decode worker: the same order as sorting
+        # every near-tie pair by (kind, load(p) + load(d), t), found in two passes.
+        near_p = [e for e in prefill if e[0] + min_td <= bound]
+        if near_p:
+            t_p, cached_p, p = min(near_p, key=lambda e: _load_key(e[2]))
+            t_d, d = min(((t, d) for t, d in transfer if t_p + t <= bound),
+                         key=lambda e: (_load_key(e[1]), e[0]))
+            return Plan("disagg", d, p, t_p + t_d, cached_p)
+        near = [c for c in local if c[0] <= bound]
+        near.sort(key=lambda c: (c[1], c[0]))
         return near[0][2]
 
 

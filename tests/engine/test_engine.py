@@ -240,3 +240,19 @@ def test_block_events_stream(tiny_folder):
     assert [e.kind for e in events] == ["stored"]
     assert list(events[0].block_hashes) == engine.hasher(list(range(9)))
     assert sorted(engine.pool.cached_hashes()) == sorted(events[0].block_hashes)
+
+
+def test_a_held_request_id_cannot_be_reused(tiny_folder):
+    """A second prefill under the id of one still holding its blocks is refused (it used to
+    overwrite the held entry and leak its blocks; the worker fuzz test found it)."""
+    from engine.llm_engine import DuplicateRequestId
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_folder), num_blocks=64, block_size=4))
+    engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    run_all(engine)
+    used = engine.num_blocks - engine.pool.num_free_blocks
+    assert used > 0 and "r" in engine.held
+    with pytest.raises(DuplicateRequestId, match="already in use"):
+        engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    engine.release("r")
+    assert engine.pool.num_free_blocks == engine.num_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.dispatch import _learn_bandwidth
+from router.dispatch import learn_bandwidth
 from router.policy import NoWorkers, RouteContext, make_policy
 from router.settings import RouterSettings
 from router.workers import WorkerInfo
@@ -64,13 +64,13 @@ def test_transfer_is_charged_at_the_measured_bandwidth():
 
 def test_measured_bandwidth_is_an_ewma_of_real_pulls():
     d = worker("d", "decode")
-    _learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.01})
+    learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.01})
     assert d.transfer_bytes_per_s == pytest.approx((10 << 20) / 0.01)
-    _learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.02})
+    learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.02})
     assert d.transfer_bytes_per_s == pytest.approx(0.8 * (10 << 20) / 0.01 + 0.2 * (10 << 20) / 0.02)
     before = d.transfer_bytes_per_s
-    _learn_bandwidth(d, {"transfer_bytes": 4096, "transfer_s": 0.5})  # tiny pull: all fixed cost
-    _learn_bandwidth(d, {})
+    learn_bandwidth(d, {"transfer_bytes": 4096, "transfer_s": 0.5})  # tiny pull: all fixed cost
+    learn_bandwidth(d, {})
     assert d.transfer_bytes_per_s == before
 
 
@@ -100,3 +100,50 @@ def test_round_robin_alternates_and_least_loaded_picks_the_idle():
     p1.inflight = 3
     assert make_policy("least_loaded", RouterSettings()).choose(
         ctx(64, {}, [p1, p2], [d])).prefill.worker_id == "p2"
+
+
+def _brute_force(pol, c: RouteContext):
+    """kv_aware as every (prefill, decode) pair: the definition the two-pass search must match."""
+    s = pol.s
+    pol.choose(c)  # sets the fleet figures
+    cands = []
+    for d in c.decode:
+        held = c.matches.get(d.worker_id, 0)
+        if not c.prefill or (s.conditional_disagg and c.num_tokens - held * BS <= s.local_prefill_max_uncached_tokens
+                             and held * BS >= s.local_prefill_min_cached_fraction * c.num_tokens):
+            t, _ = pol._prefill_s(d, c)
+            cands.append((t * (1 + s.local_prefill_interference * d.running()), "decode_local",
+                          _key(d), d.worker_id, None))
+        missing = max(c.num_blocks - held, 0) + (c.num_tokens % BS > 0)
+        bw = d.transfer_bytes_per_s or pol._fleet_bw or s.default_transfer_bytes_per_s
+        td = s.transfer_weight * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw)
+        for p in c.prefill:
+            t, _ = pol._prefill_s(p, c)
+            cands.append((t + td, "disagg", _key(p) + _key(d), d.worker_id, p.worker_id))
+    best = min(x[0] for x in cands)
+    near = sorted((x for x in cands if x[0] <= best + s.near_tie_s), key=lambda x: (x[1] != "disagg", x[2], x[0]))
+    return near[0][1], near[0][3], near[0][4]
+
+
+def _key(w):
+    from router.policy import _load_key
+    return _load_key(w)
+
+
+def test_two_pass_search_equals_every_pair():
+    import random
+
+    rng = random.Random(7)
+    pol = policy()
+    for _ in range(400):
+        ps = [worker(f"p{i}", "prefill", prefill_tokens_per_s=rng.choice([None, 800.0, 1200.0]),
+                     load={"waiting_tokens": rng.choice([0, 0, 100, 900]), "running": rng.randint(0, 3)})
+              for i in range(rng.randint(0, 5))]
+        ds = [worker(f"d{i}", "decode", transfer_bytes_per_s=rng.choice([None, 5e7, 2e9]),
+                     load={"running": rng.randint(0, 8)}, inflight=rng.randint(0, 2))
+              for i in range(rng.randint(1, 5))]
+        n = rng.randint(1, 1200)
+        matches = {w.worker_id: rng.randint(0, n // BS) for w in ps + ds if rng.random() < 0.6}
+        c = ctx(n, matches, ps, ds)
+        plan = pol.choose(c)
+        assert (plan.kind, plan.decode.worker_id, plan.prefill and plan.prefill.worker_id) == _brute_force(pol, c)

@@ -38,24 +38,28 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 class Worker:
     def __init__(self, role: str, model: str, *, cache_dir: Path, namespace: str | None = None,
                  extra: list[str] | None = None, num_blocks: int = 256, block_size: int = 4,
-                 token: str | None = TOKEN, ttl: float = 3.0) -> None:
+                 token: str | None = TOKEN, ttl: float = 3.0, host: str = "127.0.0.1",
+                 netns: str | None = None, env: dict[str, str] | None = None) -> None:
         self.role = role
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.token = token
-        cmd = [sys.executable, "-m", "common.cli", role, "--model", model, "--cache-dir",
+        # In a network namespace (another "host"): `ip netns exec`, bound to that host's address.
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        cmd = [*prefix, sys.executable, "-m", "common.cli", role, "--model", model, "--cache-dir",
                str(cache_dir), "--port", str(self.port), "--num-blocks", str(num_blocks),
-               "--block-size", str(block_size), "--heartbeat-ttl", str(ttl)]
+               "--block-size", str(block_size), "--heartbeat-ttl", str(ttl), "--host", host]
         if namespace:
             cmd += ["--redis-url", REDIS_URL, "--namespace", namespace]
         if token:
             cmd += ["--internal-token", token]
         cmd += extra or []
         self.log = open(cache_dir / f"{role}-{self.port}.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.client = httpx.Client(base_url=self.url, timeout=60,
                                    headers={"Authorization": f"Bearer {token}"} if token else {})
-        self.worker_id = f"{role}-127.0.0.1-{self.port}"
+        self.worker_id = f"{role}-{host}-{self.port}"
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120) -> None:

@@ -1,0 +1,158 @@
+"""Size a cluster before buying it: simulated multi-turn traffic over the router's real policy.
+
+    python -m sim sweep [--profile smollm2-cpu | --profile-file gpu.json] [--sessions 10000]
+    python -m sim validate   # against bench/results/policies.json (a real run on this machine)
+
+`sweep` runs, per policy (kv_aware, round_robin, random), cluster size (8 to 128 workers) and
+P:D ratio, the same seeded sessions at an arrival rate that scales with the cluster, and reports
+hit ratio, TTFT and ITL p50/p99 and goodput under the SLO. JSON: bench/results/sim_sweep.json.
+`validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
+2 prefill + 1 decode, 4 sessions in flight) at the tiny-cpu profile and compares with the real
+run. JSON: bench/results/sim_validate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sim.profile import calibrated, load
+from sim.simulator import Cluster, SimRequest
+from sim.workload import Driver, SimSession, multi_turn
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("kv_aware", "round_robin", "random")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q / 100 * len(v)))]
+
+
+def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float, slo_itl_s: float) -> dict:
+    done = [r for r in requests if r.done_at is not None]
+    ttft = [r.first_token_at - r.arrival for r in done]
+    itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    span = max(r.done_at for r in done) - min(r.arrival for r in done) if done else 0.0
+    good = [r for r in done if r.first_token_at - r.arrival <= slo_ttft_s and
+            (len(r.token_times) < 2 or (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) <= slo_itl_s)]
+    return {
+        "requests": len(requests), "completed": len(done),
+        "hit_ratio": sum(r.num_cached_tokens for r in done) / max(sum(len(r.prompt) for r in done), 1),
+        "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
+        "itl_s": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
+        "goodput_rps": len(good) / span if span else 0.0, "throughput_rps": len(done) / span if span else 0.0,
+        "plans": dict(cluster.plans),
+    }
+
+
+def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: list[SimSession], *,
+             rate: float | None = None, concurrency: int | None = None, slo=(1.0, 0.1)) -> dict:
+    cluster = Cluster(profile, num_prefill, num_decode, policy)
+    driver = Driver(cluster, sessions, rate=rate, concurrency=concurrency)
+    cluster.clock.run()
+    return summarize(driver.requests, cluster, *slo)
+
+
+def cmd_sweep(args) -> int:
+    profile = load(args.profile_file) if args.profile_file else calibrated(args.profile)
+    sessions = multi_turn(args.sessions, turns=args.turns, seed=args.seed, system_tokens=args.system_tokens,
+                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think_s)
+    rows = []
+    for size in args.sizes:
+        for ratio in args.ratios:
+            p_share, d_share = (int(x) for x in ratio.split(":"))
+            num_p = max(1, round(size * p_share / (p_share + d_share)))
+            num_d = max(1, size - num_p)
+            rate = args.sessions_per_s_per_worker * size
+            for policy in POLICIES:
+                t0 = time.perf_counter()
+                s = simulate(profile, num_p, num_d, policy, sessions, rate=rate, slo=(args.slo_ttft, args.slo_itl))
+                row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
+                       "session_rate": rate, **s, "sim_wall_s": time.perf_counter() - t0}
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("workers", "prefill", "decode", "policy", "hit_ratio",
+                                                      "ttft_s", "itl_s", "goodput_rps", "sim_wall_s")}),
+                      file=sys.stderr)
+    out = {"profile": profile.to_json(), "sessions": args.sessions, "turns": args.turns,
+           "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
+    _write("sim_sweep.json", out)
+    return 0
+
+
+def cmd_validate(args) -> int:
+    """bench/policies.py's run, replayed: same sessions (lengths from the real tokenizer and chat
+    template), same topology and concurrency, tiny-cpu costs."""
+    from common.tokenizer import Tokenizer
+    from engine.model_store import resolve_model
+    from loadgen import workload
+
+    real_path = ROOT / "bench" / "results" / "policies.json"
+    if not real_path.exists():
+        print(f"no real run at {real_path}: run `.venv/bin/python bench/policies.py` first", file=sys.stderr)
+        return 2
+    real = json.loads(real_path.read_text())
+    tok = Tokenizer(resolve_model("tiny-random"))
+    text_sessions = workload.multi_turn(real["sessions"], turns=real["turns"], seed=0, system_words=30,
+                                        user_words=8, max_tokens=8)
+    sessions = []
+    for s in text_sessions:
+        system = tok.encode_chat([{"role": "system", "content": s.system}], add_generation_prompt=False)
+        turns = []
+        for t in s.turns:
+            user = tok.encode_chat([{"role": "user", "content": t.user}], add_generation_prompt=True)
+            turns.append((user, t.max_tokens))
+        sessions.append(SimSession(system, turns))
+    profile = calibrated("tiny-cpu")
+    out = {"profile": profile.to_json(), "policies": {}}
+    for policy in POLICIES:
+        sim = simulate(profile, 2, 1, policy, sessions, concurrency=4)
+        got = real["runs"][policy]
+        cmp = {"hit_ratio": (sim["hit_ratio"], got["prefix_hit_ratio"]),
+               "ttft_p50_s": (sim["ttft_s"]["p50"], got["ttft_s"]["p50"])}
+        out["policies"][policy] = {k: {"sim": a, "real": b, "error": (a - b) / b if b else None}
+                                   for k, (a, b) in cmp.items()}
+    _write("sim_validate.json", out)
+    print(json.dumps(out["policies"], indent=2))
+    return 0
+
+
+def _write(name: str, data: dict) -> None:
+    path = ROOT / "bench" / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sw = sub.add_parser("sweep", help="policies x cluster sizes x P:D ratios")
+    sw.add_argument("--profile", default="smollm2-cpu")
+    sw.add_argument("--profile-file", default=None, help="JSON cost profile (e.g. measured on a GPU)")
+    sw.add_argument("--sessions", type=int, default=10_000)
+    sw.add_argument("--turns", type=int, default=4)
+    sw.add_argument("--system-tokens", type=int, default=400)
+    sw.add_argument("--user-tokens", type=int, default=60)
+    sw.add_argument("--answer-tokens", type=int, default=48)
+    sw.add_argument("--think-s", type=float, default=5.0)
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128])
+    sw.add_argument("--ratios", type=lambda s: s.split(","), default=["1:1", "1:3"])
+    sw.add_argument("--sessions-per-s-per-worker", type=float, default=0.05)
+    sw.add_argument("--slo-ttft", type=float, default=2.0)
+    sw.add_argument("--slo-itl", type=float, default=0.25)
+    sw.set_defaults(func=cmd_sweep)
+    va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
+    va.set_defaults(func=cmd_validate)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

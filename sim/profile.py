@@ -1,0 +1,72 @@
+"""What a simulated worker and link cost: measured on this machine (`calibrated`) or given as a
+JSON file for other hardware (`load`), e.g. a GPU profile:
+
+    {"prefill_tokens_per_s": 45000, "prefill_fixed_s": 0.004,
+     "decode_step_base_s": 0.012, "decode_step_per_seq_s": 0.00008,
+     "link_bytes_per_s": 40e9, "link_latency_s": 0.0005,
+     "block_size": 16, "block_bytes": 2097152, "num_blocks": 60000, "router_hop_s": 0.0008}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    prefill_tokens_per_s: float  # uncached prompt tokens per second, one worker
+    prefill_fixed_s: float  # per prefill (scheduling, sampling, HTTP)
+    decode_step_base_s: float  # one decode step of batch 1 ...
+    decode_step_per_seq_s: float  # ... plus this per extra running sequence
+    link_bytes_per_s: float  # KV pull bandwidth between a prefill and a decode worker
+    link_latency_s: float  # fixed cost of one pull (handshake, notification)
+    block_size: int = 16
+    block_bytes: int = 368_640  # KV bytes of one block (SmolLM2 fp16: 16 x 23,040)
+    num_blocks: int = 4096  # KV blocks per worker (its prefix cache's capacity)
+    router_hop_s: float = 0.001  # one router -> worker HTTP hop
+
+    def decode_step_s(self, batch: int) -> float:
+        return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)
+
+    def prefill_s(self, num_uncached: int) -> float:
+        return self.prefill_fixed_s + num_uncached / self.prefill_tokens_per_s
+
+    def transfer_s(self, num_blocks: int) -> float:
+        return self.link_latency_s + num_blocks * self.block_bytes / self.link_bytes_per_s
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def load(path: str | Path) -> CostProfile:
+    data = json.loads(Path(path).read_text())
+    known = {f.name for f in fields(CostProfile)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown profile fields {sorted(unknown)}; known: {sorted(known)}")
+    return CostProfile(**data)
+
+
+# Measured here (2 cores, 1 torch thread per worker, SmolLM2-135M fp32, bench/engine.py and
+# bench/kv_transfer.py figures, README): prefill ~480 tok/s per thread (968 tok/s on 2), decode
+# 30 tok/s at batch 1 and 111 tok/s aggregate at batch 8 (on 2 threads; halved for 1), NIXL over
+# loopback ~4 GB/s with ~2 ms fixed cost per pull.
+SMOLLM2_CPU = CostProfile(prefill_tokens_per_s=480.0, prefill_fixed_s=0.01, decode_step_base_s=0.066,
+                          decode_step_per_seq_s=0.0064, link_bytes_per_s=4e9, link_latency_s=0.002,
+                          block_size=16, block_bytes=737_280, num_blocks=2048, router_hop_s=0.002)
+
+# tiny-random (2 layers, hidden 64) as the tests and bench/policies.py run it: the costs are all
+# fixed overheads (HTTP, scheduling, Python), which is what dominates on this machine.
+TINY_CPU = CostProfile(prefill_tokens_per_s=20000.0, prefill_fixed_s=0.012, decode_step_base_s=0.004,
+                       decode_step_per_seq_s=0.0005, link_bytes_per_s=2e9, link_latency_s=0.006,
+                       block_size=4, block_bytes=2048, num_blocks=2048, router_hop_s=0.003)
+
+PROFILES = {"smollm2-cpu": SMOLLM2_CPU, "tiny-cpu": TINY_CPU}
+
+
+def calibrated(name: str) -> CostProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; choose from {', '.join(PROFILES)} or give a JSON file")
+    return PROFILES[name]

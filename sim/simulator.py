@@ -1,0 +1,245 @@
+"""A discrete-event simulation of a Tandem cluster that drives the router's real code: block
+hashing (common/hashing.py), the prefix index (router/index.py, one LRU set per worker, updated
+when a worker stores blocks, as the Redis index is), the routing policies (router/policy.py,
+the same `RouteContext` and `WorkerInfo`) and the dispatcher's rate and bandwidth learning
+(router/dispatch.py). Only the workers and the link are simulated, at the costs of a
+`CostProfile`:
+
+- a prefill worker serves its queue one prefill at a time (uncached tokens at its rate);
+- a decode worker runs continuous batching: one step (time grows with the batch) gives every
+  running request a token; a local prefill (decode_local, colocated) is folded into the next
+  step, stalling that step for every running stream, which is the interference disaggregation
+  avoids;
+- a disaggregated request's first token reaches the client when its prefill returns; its KV
+  (the blocks the decode worker lacks) crosses the link; then it joins the decode batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.hashing import BlockHasher
+from router.dispatch import learn_bandwidth, learn_prefill_rate
+from router.index import MemoryPrefixIndex
+from router.policy import RouteContext, make_policy
+from router.settings import RouterSettings
+from router.workers import WorkerInfo
+from sim.profile import CostProfile
+
+
+@dataclass
+class SimRequest:
+    request_id: int
+    prompt: list[int]
+    answer: list[int]  # the tokens it will generate (drawn up front: sampling is not simulated)
+    arrival: float
+    on_done: Callable[[SimRequest], None] | None = None
+    plan: str = ""
+    num_cached_tokens: int = 0
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    done_at: float | None = None
+    hashes: list[int] = field(default_factory=list)
+
+
+def _run(coro):
+    """Runs a coroutine that never awaits anything real (the in-memory index) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("the coroutine awaited something")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def after(self, dt: float, fn: Callable, *args) -> None:
+        self.at(self.now + dt, fn, *args)
+
+    def run(self, until: float | None = None) -> None:
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            if until is not None and t > until:
+                heapq.heappush(self._events, (t, 0, fn, args))
+                return
+            self.now = t
+            fn(*args)
+
+
+class SimWorker:
+    def __init__(self, cluster: Cluster, info: WorkerInfo) -> None:
+        self.c, self.info = cluster, info
+        self.p = cluster.profile
+        self.queue: deque = deque()  # prefill jobs: (request, on_prefilled)
+        self.prefilling = False
+        self.running: list[SimRequest] = []
+        self.joining: list[SimRequest] = []  # imported or locally prefilled, for the next step
+        self.local: list[SimRequest] = []  # local prefills folded into the next step
+        self.stepping = False
+
+    # -- what the heartbeat would publish --------------------------------------------------
+    def publish(self) -> None:
+        self.info.load = {"running": len(self.running) + len(self.joining), "waiting": len(self.queue) + len(self.local),
+                          "waiting_tokens": sum(len(r.prompt) for r, _ in self.queue)
+                          + sum(len(r.prompt) for r in self.local)}
+
+    def cached_blocks(self, hashes: list[int]) -> int:
+        return _run(self.c.index.match(hashes, [self.info.worker_id]))[self.info.worker_id]
+
+    # -- prefill role ------------------------------------------------------------------------
+    def submit_prefill(self, req: SimRequest, on_prefilled: Callable[[SimRequest, int], None]) -> None:
+        self.queue.append((req, on_prefilled))
+        self.publish()
+        if not self.prefilling:
+            self._next_prefill()
+
+    def _next_prefill(self) -> None:
+        if not self.queue:
+            self.prefilling = False
+            self.publish()
+            return
+        self.prefilling = True
+        req, on_prefilled = self.queue.popleft()
+        cached = self.cached_blocks(req.hashes)
+        uncached = len(req.prompt) - cached * self.p.block_size
+        self.publish()
+        self.c.clock.after(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled)
+
+    def _prefilled(self, req: SimRequest, cached: int, on_prefilled) -> None:
+        self.c.index.record(self.info.worker_id, req.hashes)
+        on_prefilled(req, cached * self.p.block_size)
+        self._next_prefill()
+
+    # -- decode role -------------------------------------------------------------------------
+    def join(self, req: SimRequest) -> None:
+        """An imported request (its first token already sent) joins at the next step."""
+        self.joining.append(req)
+        self._kick()
+
+    def prefill_locally(self, req: SimRequest) -> None:
+        req.num_cached_tokens = self.cached_blocks(req.hashes) * self.p.block_size
+        self.local.append(req)
+        self._kick()
+
+    def _kick(self) -> None:
+        self.publish()
+        if not self.stepping:
+            self.stepping = True
+            self.c.clock.after(0.0, self._step)
+
+    def _step(self) -> None:
+        self.running += self.joining
+        self.joining = []
+        local, self.local = self.local, []
+        if not self.running and not local:
+            self.stepping = False
+            self.publish()
+            return
+        dt = self.p.decode_step_s(len(self.running)) if self.running else 0.0
+        dt += sum(self.p.prefill_s(len(r.prompt) - r.num_cached_tokens) for r in local)
+        self.publish()
+        self.c.clock.after(dt, self._stepped, local)
+
+    def _stepped(self, local: list[SimRequest]) -> None:
+        now = self.c.clock.now
+        still = []
+        for r in self.running:
+            r.token_times.append(now)
+            if len(r.token_times) >= len(r.answer):
+                self._finish(r)
+            else:
+                still.append(r)
+        for r in local:  # the step that prefilled it also sampled its first token
+            self.c.index.record(self.info.worker_id, r.hashes)
+            r.first_token_at = now + self.p.router_hop_s
+            r.token_times.append(now)
+            (self._finish if len(r.answer) <= 1 else still.append)(r)
+        self.running = still
+        self._step()
+
+    def _finish(self, r: SimRequest) -> None:
+        # The decode side caches the whole sequence's full blocks: the next turn's prefix.
+        self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
+        self.info.inflight -= 1
+        r.done_at = self.c.clock.now + self.p.router_hop_s
+        if r.on_done:
+            self.c.clock.at(r.done_at, r.on_done, r)
+
+
+class Cluster:
+    """`num_prefill` + `num_decode` (+ `num_colocated`) simulated workers behind the real policy."""
+
+    def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int, policy: str = "kv_aware",
+                 num_colocated: int = 0, settings: RouterSettings | None = None) -> None:
+        self.profile = profile
+        self.clock = Clock()
+        self.settings = settings or RouterSettings(block_size=profile.block_size,
+                                                   bytes_per_block=profile.block_bytes)
+        self.policy = make_policy(policy, self.settings)
+        self.hasher = BlockHasher("sim", profile.block_size, None)
+        self.index = MemoryPrefixIndex(max_blocks=profile.num_blocks)
+        self.workers: list[SimWorker] = []
+        for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
+            for i in range(n):
+                info = WorkerInfo(f"{role}-{i}", role, f"sim://{role}-{i}", block_size=profile.block_size,
+                                  capacity=profile.num_blocks, block_bytes=profile.block_bytes)
+                self.workers.append(SimWorker(self, info))
+        self.by_id = {w.info.worker_id: w for w in self.workers}
+        self.plans: dict[str, int] = {}
+
+    def submit(self, req: SimRequest) -> None:
+        self.clock.at(req.arrival, self._route, req)
+
+    def _route(self, req: SimRequest) -> None:
+        req.hashes = self.hasher(req.prompt)
+        live = [w.info for w in self.workers]
+        by_role = {r: [w for w in live if w.role == r] for r in ("prefill", "decode", "colocated")}
+        matches = _run(self.index.match(req.hashes, [w.worker_id for w in live]))
+        ctx = RouteContext(len(req.prompt), len(req.hashes), matches, by_role["prefill"], by_role["decode"],
+                           by_role["colocated"], self.profile.block_size)
+        plan = self.policy.choose(ctx)
+        req.plan = plan.kind
+        self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1
+        d = self.by_id[plan.decode.worker_id]
+        d.info.inflight += 1
+        hop = self.profile.router_hop_s
+        if plan.kind != "disagg":
+            self.clock.after(hop, d.prefill_locally, req)
+            return
+        p = self.by_id[plan.prefill.worker_id]
+        uncached = len(req.prompt) - plan.cached_blocks * self.profile.block_size
+        p.info.inflight += 1
+        p.info.inflight_tokens += uncached
+        sent = self.clock.now
+
+        def prefilled(r: SimRequest, cached_tokens: int) -> None:
+            p.info.inflight -= 1
+            p.info.inflight_tokens -= uncached
+            now = self.clock.now
+            learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, now + hop - sent)
+            r.num_cached_tokens = cached_tokens
+            r.first_token_at = now + hop
+            r.token_times.append(now)
+            if len(r.answer) <= 1:
+                d.info.inflight -= 1
+                r.done_at = r.first_token_at
+                if r.on_done:
+                    self.clock.at(r.done_at, r.on_done, r)
+                return
+            missing = len(r.hashes) - d.cached_blocks(r.hashes) + (len(r.prompt) % self.profile.block_size > 0)
+            t = self.profile.transfer_s(missing)
+            learn_bandwidth(d.info, {"transfer_bytes": missing * self.profile.block_bytes, "transfer_s": t})
+            self.clock.after(2 * hop + t, d.join, r)  # the decode call, then the pull
+
+        self.clock.after(hop, p.submit_prefill, req, prefilled)

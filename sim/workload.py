@@ -1,0 +1,80 @@
+"""Seeded multi-turn sessions as token ids, and the driver that plays them into a simulated
+cluster open loop (Poisson session arrivals) or closed loop (N sessions in flight)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from sim.simulator import Cluster, SimRequest
+
+
+@dataclass
+class SimSession:
+    system: list[int]
+    turns: list[tuple[list[int], int]]  # (user tokens, answer tokens) per turn
+    think_s: float = 0.0
+
+
+def multi_turn(num_sessions: int, turns: int = 4, seed: int = 0, system_tokens: int = 200,
+               user_tokens: int = 40, answer_tokens: int = 32, vocab: int = 49152,
+               think_s: float = 0.0) -> list[SimSession]:
+    """Each session: a system prompt of its own, then `turns` user messages; lengths vary by
+    +-50% around the given means."""
+    rng = random.Random(seed)
+
+    def toks(mean: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(max(1, int(mean * rng.uniform(0.5, 1.5))))]
+
+    return [SimSession(toks(system_tokens), [(toks(user_tokens), max(1, int(answer_tokens * rng.uniform(0.5, 1.5))))
+                                             for _ in range(turns)], think_s)
+            for _ in range(num_sessions)]
+
+
+class Driver:
+    """Plays sessions: turn k's prompt is the system prompt plus every earlier turn's user tokens
+    and answer, plus turn k's user tokens (what a chat client sends)."""
+
+    def __init__(self, cluster: Cluster, sessions: list[SimSession], *, rate: float | None = None,
+                 concurrency: int | None = None, seed: int = 0) -> None:
+        if (rate is None) == (concurrency is None):
+            raise ValueError("give exactly one of rate (open loop) or concurrency (closed loop)")
+        self.c, self.sessions = cluster, sessions
+        self.rng = random.Random(seed)
+        self.requests: list[SimRequest] = []
+        self._ids = iter(range(1 << 62))
+        self._next_session = 0
+        if rate is not None:
+            t = 0.0
+            for i in range(len(sessions)):
+                t += self.rng.expovariate(rate)
+                self.c.clock.at(t, self._start, i)
+            self._next_session = len(sessions)
+        else:
+            for _ in range(min(concurrency, len(sessions))):
+                self._start_next()
+
+    def _start_next(self) -> None:
+        if self._next_session < len(self.sessions):
+            self._next_session += 1
+            self._start(self._next_session - 1)
+
+    def _start(self, i: int) -> None:
+        self._turn(i, 0, list(self.sessions[i].system))
+
+    def _turn(self, i: int, k: int, history: list[int]) -> None:
+        s = self.sessions[i]
+        if k == len(s.turns):
+            self._start_next()  # closed loop: the next session takes this one's place
+            return
+        user, n_answer = s.turns[k]
+        prompt = history + user
+        answer = [self.rng.randrange(49152) for _ in range(n_answer)]
+
+        def done(req: SimRequest) -> None:
+            delay = self.rng.expovariate(1 / s.think_s) if s.think_s else 0.0
+            self.c.clock.after(delay, self._turn, i, k + 1, prompt + answer)
+
+        req = SimRequest(next(self._ids), prompt, answer, self.c.clock.now, on_done=done)
+        self.requests.append(req)
+        self.c.submit(req)
