@@ -94,6 +94,7 @@ def timing_field(trace: Trace | None, t_start: float) -> dict:
     return {"plan": trace.plan, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
             "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
             "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
+            "transfer_bytes": wt.get("transfer_bytes", 0),
             "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
             "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback}
 
