@@ -60,16 +60,14 @@ class TokenEvent:
 
 
 class Backend(Protocol):
-    # True when the prefill leg's answer carries the first token the client should see.
-    first_token_from_prefill: bool
-
     def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
                  timeouts: Timeouts) -> None: ...
 
     async def prefill(self, w: WorkerInfo, request_id: str, prompt: list[int],
                       sampling: SamplingOptions) -> dict:
         """`{first_token_id, num_cached_tokens, kv_transfer_params, finish_reason?,
-        first_token_logprob?}`; raises WorkerFailure or RequestRejected."""
+        first_token_logprob?}`; `first_token_id` is None when the decode leg produces every token
+        (vLLM). Raises WorkerFailure or RequestRejected."""
 
     def generate(self, w: WorkerInfo, request_id: str, prompt: list[int], sent: list[int],
                  sampling: SamplingOptions, kv_params: dict | None) -> AsyncIterator[TokenEvent]:
@@ -82,20 +80,23 @@ class Backend(Protocol):
         max_model_len). Raises WorkerFailure when the worker is not healthy."""
 
 
-class TandemBackend:
+class _HTTPBackend:
     """Worker hops go through aiohttp: per request it costs about a third of httpx's CPU, which is
     most of what the router adds to a request on a small machine (bench/router_overhead.py)."""
-
-    first_token_from_prefill = True
 
     def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
                  timeouts: Timeouts) -> None:
         self.http = http
+        self.model = model
         self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
         self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
         self.headers = {"Content-Type": "application/json"}
-        if token:
+        if token:  # Tandem's internal token, or a vLLM server's --api-key
             self.headers["Authorization"] = f"Bearer {token}"
+
+
+class TandemBackend(_HTTPBackend):
+    """Tandem workers' internal API."""
 
     async def prefill(self, w, request_id, prompt, sampling) -> dict:
         return await _post_json(self.http, w, "/prefill", self.headers, {
@@ -141,20 +142,8 @@ class TandemBackend:
         return {}
 
 
-class VLLMBackend:
+class VLLMBackend(_HTTPBackend):
     """A vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with the NixlConnector."""
-
-    first_token_from_prefill = False
-
-    def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
-                 timeouts: Timeouts) -> None:
-        self.http = http
-        self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
-        self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
-        self.model = model
-        self.headers = {"Content-Type": "application/json"}
-        if token:  # vLLM's --api-key
-            self.headers["Authorization"] = f"Bearer {token}"
 
     def _body(self, w: WorkerInfo, prompt: list[int], sampling: SamplingOptions) -> dict:
         body = {

@@ -1,15 +1,15 @@
 """Size a cluster before buying it: simulated multi-turn traffic over the router's real policy.
 
     python -m sim sweep [--profile smollm2-cpu | --profile-file gpu.json] [--sessions 10000]
-    python -m sim validate [--profile-file bench/results/profile-tiny-random.json]
+    python -m sim validate [--profile-file my-profile.json]
                              # against bench/results/policies.json (a real run on this machine)
 
 `sweep` runs, per policy (kv_aware, round_robin, random), cluster size (8 to 128 workers) and
 P:D ratio, the same seeded sessions at an arrival rate that scales with the cluster, and reports
 hit ratio, TTFT and ITL p50/p99 and goodput under the SLO. JSON: bench/results/sim_sweep.json.
 `validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
-2 prefill + 1 decode, 4 sessions in flight) at the tiny-cpu profile (or one measured by
-bench/calibrate.py) and compares with the real run. JSON: bench/results/sim_validate.json.
+2 prefill + 1 decode, 4 sessions in flight) at the tiny-cpu profile (or one given with
+--profile-file) and compares with the real run. JSON: bench/results/sim_validate.json.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(func=cmd_sweep)
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
     va.add_argument("--profile-file", default=None,
-                    help="e.g. bench/results/profile-tiny-random.json from bench/calibrate.py")
+                    help="a JSON cost profile instead of the built-in tiny-cpu one")
     va.set_defaults(func=cmd_validate)
     args = ap.parse_args(argv)
     return args.func(args)

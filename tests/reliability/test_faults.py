@@ -11,52 +11,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
 
 import openai
 import pytest
-import redis
 
 from engine import SamplingParams
-from tests.worker.cluster import Router, Worker, free_port
+from tests.worker.cluster import RedisServer, Router, Worker
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 
 NUM_REQUESTS = 48
 MAX_TOKENS = 24
-
-
-class RedisServer:
-    """A throwaway redis-server on a fixed port, so it can be stopped and started again."""
-
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = tmp_path
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def wait_for(cond, timeout: float, what: str) -> None:

@@ -3,16 +3,14 @@ stopped under load; and kv_aware against round_robin on multi-turn traffic."""
 
 import concurrent.futures as cf
 import shutil
-import subprocess
 import time
 import uuid
 
 import openai
 import pytest
-import redis
 
 from engine import SamplingParams
-from tests.worker.cluster import Router, Worker, free_port
+from tests.worker.cluster import RedisServer, Router, Worker
 
 pytestmark = pytest.mark.redis
 
@@ -84,17 +82,8 @@ def test_killed_prefill_worker_requests_keep_succeeding(tiny_folder, workdir, re
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_path):
-    port = free_port()
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    server = RedisServer(tmp_path)
+    url = server.url
     ns = f"rd-{uuid.uuid4().hex[:6]}"
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, token="t",
                extra=["--redis-url", url, "--namespace", ns])
@@ -112,8 +101,7 @@ def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_pa
         with cf.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(ask, i) for i in range(120)]
             time.sleep(0.3)
-            server.kill()
-            server.wait()
+            server.stop()
             results = [f.result() for f in futures]
         assert results == ["length"] * 120
         assert r.metrics()["tandem_redis_up"] == 0  # it really routed without the index
@@ -122,8 +110,7 @@ def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_pa
         r.close()
         p.close()
         d.close()
-        if server.poll() is None:
-            server.kill()
+        server.stop()
 
 
 def _multi_turn_hit_ratio(tiny_folder, workdir, policy: str) -> float:

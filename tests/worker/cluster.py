@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "internal-test-token"
@@ -169,3 +170,32 @@ class Router:
                 self.proc.kill()
         self.client.close()
         self.log.close()
+
+
+class RedisServer:
+    """A throwaway redis-server on a fixed port, so it can be stopped and started again."""
+
+    def __init__(self, tmp_path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = tmp_path
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
+                                     stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise TimeoutError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
