@@ -50,7 +50,14 @@ class Dispatcher:
         kv_params = None
         decode = plan.decode
         if plan.kind == "disagg":
-            pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace)
+            # The decode worker is taken from the moment of routing, not from when its stream
+            # opens: a burst routed while every prefill is still running would otherwise see idle
+            # decode workers and pile onto the first one.
+            decode.inflight += 1
+            try:
+                pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace)
+            finally:
+                decode.inflight -= 1
             if pre is not None:
                 trace.num_cached_tokens = pre["num_cached_tokens"]
                 first = pre.get("first_token_id")

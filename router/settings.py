@@ -29,6 +29,7 @@ class RouterSettings(BaseSettings):
     policy: str = "kv_aware"
     index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
     refresh_interval_s: float = 0.5
+    redis_restart_grace_s: float = 5.0  # keep known workers this long after Redis lost its data
     probe_interval_s: float = 2.0  # health checks of statically listed workers
     request_timeout_s: float = 300.0
     # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried

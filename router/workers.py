@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from common.registry import RedisKeys
@@ -61,8 +62,15 @@ def parse_static(entry: str) -> tuple[str, str, str]:
 
 class WorkerDirectory:
     def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
-                 breaker_cooldown_s: float = 5.0) -> None:
+                 breaker_cooldown_s: float = 5.0, restart_grace_s: float = 5.0) -> None:
         self.keys = keys
+        # A key of this router's own (it expires only if the router stops refreshing): when it
+        # is gone, Redis lost its data (restart, flush, failover to an empty replica), and the
+        # workers' keys vanished with it although the workers live. For `restart_grace_s` the
+        # known workers stay while they re-register, instead of 503s for a heartbeat.
+        self._sentinel = f"{keys.prefix}router:{uuid.uuid4().hex}"
+        self.restart_grace_s = restart_grace_s
+        self._grace_until = 0.0
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.workers: dict[str, WorkerInfo] = {}
@@ -86,6 +94,7 @@ class WorkerDirectory:
     async def refresh(self, redis) -> None:
         """Replace the Redis-discovered workers with those whose keys exist now."""
         try:
+            lost = await redis.set(self._sentinel, b"1", ex=60, get=True) is None
             keys = [k async for k in redis.scan_iter(match=self.keys.worker_pattern, count=500)]
             pipe = redis.pipeline(transaction=False)
             for k in keys:
@@ -97,6 +106,10 @@ class WorkerDirectory:
             self.redis_ok = False
             return
         self.redis_ok = True
+        if lost and any(not w.static for w in self.workers.values()):
+            log.warning("redis lost its data: keeping %d known workers for %.1f s while they re-register",
+                        len(self.workers), self.restart_grace_s)
+            self._grace_until = time.monotonic() + self.restart_grace_s
         seen = set()
         for key, raw in zip(keys, infos, strict=True):
             if not raw:
@@ -119,6 +132,8 @@ class WorkerDirectory:
                 w.load = json.loads(info.get("load", "{}"))
             except json.JSONDecodeError:
                 w.load = {}
+        if time.monotonic() < self._grace_until:
+            return
         for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
             log.info("worker left: %s", wid)
             del self.workers[wid]

@@ -74,3 +74,30 @@ def test_memory_index_learns_from_routing():
     assert run(idx.match(chain, ["w"]))["w"] == 0
     with pytest.raises(ValueError, match="unknown index search"):
         RedisPrefixIndex(aioredis.from_url(REDIS_URL), RedisKeys(), "fuzzy")
+
+
+def test_directory_keeps_workers_through_a_redis_data_loss_but_drops_a_dead_one():
+    """A worker whose key expires is dropped at the next refresh; when Redis itself lost its data
+    (the router's own sentinel key is gone too) the known workers stay for the grace period."""
+    from router.workers import WorkerDirectory
+
+    async def go():
+        r, keys = await _setup({})
+        d = WorkerDirectory(keys, [], restart_grace_s=30.0)
+        for w in ("w1", "w2"):
+            await r.hset(keys.worker(w), mapping={"role": "decode", "url": f"http://{w}"})
+        await d.refresh(r)
+        assert set(d.workers) == {"w1", "w2"}
+        await r.delete(keys.worker("w2"))  # w2 died: its key expired
+        await d.refresh(r)
+        assert set(d.workers) == {"w1"}
+        await r.delete(keys.worker("w1"), d._sentinel)  # Redis restarted empty
+        await d.refresh(r)
+        assert set(d.workers) == {"w1"}  # kept while it re-registers
+        d._grace_until = 0.0  # grace over and still absent: really gone
+        await d.refresh(r)
+        assert set(d.workers) == set()
+        await r.delete(d._sentinel)
+        await r.aclose()
+
+    run(go())
