@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 from clusters import ROOT  # bench/ is on sys.path when run as a script
 
+from tests.netns import Link
 from tests.worker.cluster import Router, Worker, free_port
 
 ROOT_IP, NS_IP = "10.232.0.1", "10.232.0.2"  # only inside the veth pair made here
@@ -40,35 +41,6 @@ ROOT_IP, NS_IP = "10.232.0.1", "10.232.0.2"  # only inside the veth pair made he
 # (`tc qdisc add ... netem` answers "Specified qdisc kind is unknown"), so no added delay; tbf
 # is there. The issue's 0.5 ms / 0.05 ms delays would add well under 1 ms per pull.
 PROFILES = {"25gbit": ("25gbit", "4mb"), "1gbit": ("1gbit", "256kb"), "100mbit": ("100mbit", "64kb")}
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True)
-
-
-class Link:
-    """A namespace for the decode "host" and a veth pair to it from this namespace."""
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
-        self.ns, self.dev_root, self.dev_ns = f"tdm-d-{tag}", f"vr{tag}", f"vd{tag}"
-        sh("ip", "netns", "add", self.ns)
-        sh("ip", "link", "add", self.dev_root, "type", "veth", "peer", "name", self.dev_ns)
-        sh("ip", "link", "set", self.dev_ns, "netns", self.ns)
-        sh("ip", "addr", "add", f"{ROOT_IP}/30", "dev", self.dev_root)
-        sh("ip", "link", "set", self.dev_root, "up")
-        sh("ip", "-n", self.ns, "addr", "add", f"{NS_IP}/30", "dev", self.dev_ns)
-        sh("ip", "-n", self.ns, "link", "set", self.dev_ns, "up")
-        sh("ip", "-n", self.ns, "link", "set", "lo", "up")
-
-    def shape(self, rate: str, burst: str) -> None:
-        for prefix, dev in ((["ip", "netns", "exec", self.ns], self.dev_ns), ([], self.dev_root)):
-            sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-               "latency", "50ms")
-
-    def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self.dev_root], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -144,7 +116,7 @@ def main() -> int:
     from engine.model_store import resolve_model
 
     folder = resolve_model(args.model)
-    link = Link()
+    link = Link([ROOT_IP], NS_IP)
     redis_port = free_port()
     redis_proc = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", f"127.0.0.1 {ROOT_IP}",
                                    "--save", "", "--appendonly", "no", "--protected-mode", "no"],

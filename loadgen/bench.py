@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
 from loadgen import workload
-from loadgen.report import SLO, scrape, summarize, write
+from loadgen.report import SLO, plot_rates, scrape, summarize, write
 from loadgen.runner import RunConfig, Runner
 
 
@@ -39,7 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--workload", default="multi-turn", choices=sorted(workload.WORKLOADS))
     p.add_argument("--size", type=int, default=16, help="sessions (multi-turn) or requests")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--rate", type=float, default=None, help="open loop: sessions per second (Poisson)")
+    mode.add_argument("--rate", type=_rates, default=None,
+                      help="open loop: sessions per second (Poisson); several, comma-separated, sweep "
+                      "the load and add a throughput-vs-rate report")
     mode.add_argument("--concurrency", type=int, default=None, help="closed loop: sessions in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput: TTFT target in seconds")
@@ -48,11 +51,38 @@ def add_arguments(p) -> None:
     p.add_argument("--name", default=None, help="report file name (default: workload and mode)")
 
 
+def _rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"rates must be positive numbers: {text!r}")
+    return rates
+
+
 def main(args) -> int:
     concurrency = args.concurrency if args.concurrency or args.rate else 4
-    summary = run(args.url, args.model, args.workload, args.size, rate=args.rate,
+    slo, out = SLO(args.slo_ttft, args.slo_itl), Path(args.out)
+    if args.rate and len(args.rate) > 1:
+        return sweep(args, args.rate, slo, out)
+    summary = run(args.url, args.model, args.workload, args.size, rate=args.rate[0] if args.rate else None,
                   concurrency=None if args.rate else concurrency, seed=args.seed, api_key=args.api_key,
-                  slo=SLO(args.slo_ttft, args.slo_itl), out_dir=Path(args.out), name=args.name)
+                  slo=slo, out_dir=out, name=args.name)
     print(Path(summary["files"]["md"]).read_text())
     print(f"report: {', '.join(summary['files'].values())}")
     return 0 if summary["ok"] == summary["requests"] else 1
+
+
+def sweep(args, rates: list[float], slo: SLO, out: Path) -> int:
+    """One run per offered rate (same seeded sessions), then `{name}-rates.json` and `.png`."""
+    label = args.name or f"{args.workload}-rates"
+    rows = [run(args.url, args.model, args.workload, args.size, rate=rate, seed=args.seed, api_key=args.api_key,
+                slo=slo, out_dir=out, name=f"{label}-rate{rate:g}") for rate in rates]
+    files = {"json": out / f"{label}.json"}
+    files["json"].write_text(json.dumps({"rates": rates, "runs": rows}, indent=2) + "\n")
+    png = plot_rates(rows, out / f"{label}.png", label)
+    if png:
+        files["png"] = png
+    for r in rows:
+        print(f"rate {r['rate']:g}/s: {r['ok']}/{r['requests']} ok, {r['request_throughput']:.2f} req/s, "
+              f"goodput {r['goodput_requests_per_s']:.2f} req/s, TTFT p99 {(r['ttft_s']['p99'] or 0) * 1e3:.0f} ms")
+    print(f"report: {', '.join(str(p) for p in files.values())}")
+    return 0 if all(r["ok"] == r["requests"] for r in rows) else 1

@@ -120,6 +120,36 @@ def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
     return out
 
 
+def plot_rates(rows: list[dict], out: Path, title: str) -> Path | None:
+    """Throughput and goodput, and TTFT p50/p99, against the offered rate of a rate sweep."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rates = [r["rate"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(rates, [r["request_throughput"] for r in rows], marker="o", label="completed")
+    left.plot(rates, [r["goodput_requests_per_s"] for r in rows], marker="o", label="within SLO (goodput)")
+    left.set_xlabel("offered load (sessions/s)")
+    left.set_ylabel("requests/s")
+    left.legend()
+    for q in ("p50", "p99"):
+        right.plot(rates, [(r["ttft_s"][q] or 0) * 1e3 for r in rows], marker="o", label=f"TTFT {q}")
+    right.set_xlabel("offered load (sessions/s)")
+    right.set_ylabel("ms")
+    right.legend()
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def write(summary: dict, records: list[RequestRecord], out_dir: Path, name: str) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md"}

@@ -52,12 +52,11 @@ def test_summary_percentiles_goodput_and_hit_ratio():
 @pytest.mark.redis
 def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_path):
     ns = f"bench-{uuid.uuid4().hex[:6]}"
-    p = Worker("prefill", str(tiny_folder), cache_dir=tmp_path, namespace=ns)
-    d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, namespace=ns)
+    p = Worker("prefill", str(tiny_folder), cache_dir=tmp_path, namespace=ns, num_blocks=1024)
+    d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, namespace=ns, num_blocks=1024)
     r = Router(tiny_folder, ns, cache_dir=tmp_path)
     try:
         r.wait_workers(2)
-        # Sized for the test workers' small KV cache (256 blocks of 4 byte-level tokens).
         sessions = workload.multi_turn(3, turns=4, system_words=12, user_words=6, max_tokens=8)
         s = run(f"{r.url}/v1", "tiny-random", "multi-turn", 3, concurrency=2, out_dir=tmp_path / "out",
                 name="mt", sessions=sessions)
@@ -68,6 +67,16 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
         assert sum(s["route_plans"].values()) == 12
         assert json.loads((tmp_path / "out" / "mt.json").read_text())["ok"] == 12
         assert "| TTFT |" in (tmp_path / "out" / "mt.md").read_text()
+        assert (tmp_path / "out" / "mt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency CDFs
+        # A rate sweep through the CLI: one run per rate, then throughput/goodput/TTFT vs rate.
+        ok = subprocess.run([sys.executable, "-m", "common.cli", "bench", "--url", f"{r.url}/v1",
+                             "--model", "tiny-random", "--workload", "shared-system", "--size", "4",
+                             "--rate", "5,20", "--out", str(tmp_path / "out"), "--name", "sweep"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        runs = json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"]
+        assert [x["rate"] for x in runs] == [5.0, 20.0] and all(x["ok"] == 4 for x in runs)
+        assert (tmp_path / "out" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
         # Open loop through the CLI; a wrong model is counted as errors and the exit code says so.
         cli = subprocess.run([sys.executable, "-m", "common.cli", "bench", "--url", f"{r.url}/v1",
                               "--model", "no-such-model", "--workload", "shared-system", "--size", "3",
