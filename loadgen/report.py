@@ -94,13 +94,20 @@ def markdown(summary: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
+    if (plt := _pyplot()) is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     ok = [r for r in records if r.error is None]
@@ -122,12 +129,7 @@ def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
 
 def plot_rates(rows: list[dict], out: Path, title: str) -> Path | None:
     """Throughput and goodput, and TTFT p50/p99, against the offered rate of a rate sweep."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := _pyplot()) is None:
         return None
     rates = [r["rate"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
