@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 import orjson
 
 from common.protocol import SamplingOptions
-from router.workers import WorkerInfo
+
+if TYPE_CHECKING:  # router.workers validates backend names against BACKENDS below
+    from router.workers import WorkerInfo
 
 
 class WorkerFailure(RuntimeError):

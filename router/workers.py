@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from common.registry import RedisKeys
+from router.backends import BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,9 @@ def parse_static(entry: str) -> tuple[str, str, str]:
     spec, _, url = entry.partition("=")
     backend, _, role = spec.rpartition(":")
     backend = backend or "tandem"
-    if not url or role not in ("prefill", "decode", "colocated") or backend not in ("tandem", "vllm"):
-        raise ValueError(f"static worker {entry!r} must look like [tandem:|vllm:]prefill=http://host:port "
-                         "(roles: prefill, decode, colocated)")
+    if not url or role not in ("prefill", "decode", "colocated") or backend not in BACKENDS:
+        raise ValueError(f"static worker {entry!r} must look like [backend:]prefill=http://host:port "
+                         f"(roles: prefill, decode, colocated; backends: {', '.join(BACKENDS)})")
     return backend, role, url.rstrip("/")
 
 
@@ -127,7 +128,6 @@ class WorkerDirectory:
             w.capacity = int(info.get("capacity", 0))
             w.max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
             w.block_bytes = int(info["block_bytes"]) if info.get("block_bytes") else None
-            w.backend = info.get("backend", "tandem")
             try:
                 w.load = json.loads(info.get("load", "{}"))
             except json.JSONDecodeError:

@@ -98,7 +98,7 @@ class WorkerState:
             "transport": self.connector.transport.name if self.connector else "",
             "max_model_len": core.max_model_len, "started_at": self.started_at,
             # What one block costs to move: the router's kv_aware charges transfers with it.
-            "block_bytes": core.kv_cache[0].numel() * core.kv_cache.element_size(),
+            "block_bytes": KVLayout.of_cache(core.kv_cache, core.model_id).bytes_per_block,
         }
 
     def load(self) -> dict:
