@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.worker.cluster import ROOT, Router, free_port, scrape
+from tests.worker.cluster import ROOT, Router, free_port, scrape, wait_http_ok
 
 pytestmark = pytest.mark.vllm
 
@@ -49,17 +49,8 @@ class VLLMServer:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM not healthy in {timeout} s: {self.log_path.read_text()[-2000:]}")
+        wait_http_ok(self.proc, self.log_path, lambda: httpx.get(f"{self.url}/health", timeout=2),
+                     "vLLM", timeout, interval=1)
 
     def metrics(self) -> dict[str, float]:
         with httpx.Client(base_url=self.url, timeout=10) as c:

@@ -36,6 +36,23 @@ def scrape(client: httpx.Client) -> dict[str, float]:
     return out
 
 
+def wait_http_ok(proc: subprocess.Popen, log_path: Path, get, what: str, timeout: float,
+                 interval: float) -> None:
+    """Polls `get()` until it answers 200; the process exiting first, or the timeout, raises
+    with the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log_path.read_text()[-3000:]}")
+        try:
+            if get().status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not ready in {timeout} s: {log_path.read_text()[-2000:]}")
+
+
 class Worker:
     def __init__(self, role: str, model: str, *, cache_dir: Path, namespace: str | None = None,
                  extra: list[str] | None = None, num_blocks: int = 256, block_size: int = 4,
@@ -64,17 +81,8 @@ class Worker:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} worker exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if self.client.get("/ready").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.role} worker not ready in {timeout} s")
+        wait_http_ok(self.proc, Path(self.log.name), lambda: self.client.get("/ready"),
+                     f"{self.role} worker", timeout, interval=0.2)
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.client)
