@@ -6,10 +6,13 @@ One fake worker process serves both P/D protocols instantly (Tandem's /prefill +
 vLLM's /v1/completions with kv_transfer_params), as a prefill and as a decode worker on two ports.
 In the same run, open-loop Poisson arrivals of non-streaming /v1/completions go to:
   direct       the fake decode worker itself (baseline)
+  python-floor the least a Python router can add: a raw-ASGI proxy (uvicorn + aiohttp, no
+               validation, tokenizing or routing) making the same two hops as tandem
   tandem       `tandem router` (kv_aware, P/D plan, static workers, in-process index)
   vllm-router  `vllm-router --vllm-pd-disaggregation` (if installed)
   sglang-router `sglang-router launch --pd-disaggregation` (if installed)
-and the added latency is p50/p99 of each minus the direct run's. JSON: bench/results/router_overhead.json.
+and the added latency is p50/p99 of each minus the direct run's, plus each router process's CPU
+time per request (/proc). JSON: bench/results/router_overhead.json.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+WARMUP = 20
 
 
 def free_port() -> int:
@@ -62,7 +68,9 @@ def fake_app():
         body = await request.json()
         line = json.dumps({"request_id": body["request_id"], "token_ids": [43],
                            "finish_reason": "length"}) + "\n"
-        return StreamingResponse(iter([line.encode()]), media_type="application/x-ndjson")
+        # One NDJSON line, sent whole: a StreamingResponse over a sync iterator would add a
+        # threadpool hop that the other routers' /v1/completions leg does not pay.
+        return Response(line.encode(), media_type="application/x-ndjson")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -94,6 +102,54 @@ def run_fake(port: int) -> None:
     uvicorn.run(fake_app(), host="127.0.0.1", port=port, log_level="error", access_log=False)
 
 
+def floor_app(prefill_url: str, decode_url: str):
+    """The same two hops as Tandem's router with nothing else: what the Python HTTP stack alone
+    costs (uvicorn's server side plus aiohttp's client side)."""
+    import aiohttp
+    import orjson
+
+    state: dict = {}
+    json_header = {"Content-Type": "application/json"}
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    state["http"] = aiohttp.ClientSession()
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await state["http"].close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        req = {"request_id": os.urandom(8).hex(), "prompt_token_ids": [1, 2, 3],
+               "max_tokens": orjson.loads(body).get("max_tokens")}
+        http = state["http"]
+        async with http.post(prefill_url, data=orjson.dumps(req), headers=json_header) as r:
+            orjson.loads(await r.read())
+        async with http.post(decode_url, data=orjson.dumps(req), headers=json_header) as r:
+            token_ids = orjson.loads((await r.read()).splitlines()[-1])["token_ids"]
+        out = {"id": req["request_id"], "object": "text_completion", "choices": [
+            {"index": 0, "text": "ok", "token_ids": token_ids, "finish_reason": "length"}]}
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": orjson.dumps(out)})
+
+    return app
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)
@@ -117,7 +173,7 @@ async def load(url: str, rate: float, seconds: float, seed: int) -> dict:
     latencies: list[float] = []
     errors = 0
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=500)) as client:
-        for _ in range(20):  # warm connections and caches
+        for _ in range(WARMUP):  # warm connections and caches
             await client.post(url, json=body)
 
         async def one() -> None:
@@ -154,10 +210,19 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--role", default="bench")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--prefill-port", type=int, default=0)
+    ap.add_argument("--decode-port", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_overhead.json"))
     args = ap.parse_args()
     if args.role == "fake":
         run_fake(args.port)
+        return 0
+    if args.role == "floor":
+        import uvicorn
+
+        uvicorn.run(floor_app(f"http://127.0.0.1:{args.prefill_port}/prefill",
+                              f"http://127.0.0.1:{args.decode_port}/generate"),
+                    host="127.0.0.1", port=args.port, log_level="error", access_log=False)
         return 0
     from engine.tiny import build_tiny_random  # only to have a tokenizer folder
 
@@ -168,12 +233,19 @@ def main() -> int:
     procs = [spawn([sys.executable, __file__, "--role", "fake", "--port", str(p)], logs / f"fake-{p}.log")
              for p in (fp, fd)]
     targets = {"direct": f"http://127.0.0.1:{fd}/v1/completions"}
+    pids = {"direct": procs[1].pid}
+    flp = free_port()
+    procs.append(spawn([sys.executable, __file__, "--role", "floor", "--port", str(flp),
+                        "--prefill-port", str(fp), "--decode-port", str(fd)], logs / "floor.log"))
+    targets["python-floor"] = f"http://127.0.0.1:{flp}/v1/completions"
+    pids["python-floor"] = procs[-1].pid
     tp = free_port()
     procs.append(spawn([sys.executable, "-m", "common.cli", "router", "--model", "tiny-random",
                         "--tokenizer", str(tok), "--block-size", "4", "--port", str(tp),
                         "--worker", f"prefill=http://127.0.0.1:{fp}",
                         "--worker", f"decode=http://127.0.0.1:{fd}"], logs / "tandem-router.log"))
     targets["tandem"] = f"http://127.0.0.1:{tp}/v1/completions"
+    pids["tandem"] = procs[-1].pid
     vr = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     if vr:
         vp = free_port()
@@ -181,6 +253,7 @@ def main() -> int:
                             "--decode", f"http://127.0.0.1:{fd}", "--policy", "round_robin",
                             "--host", "127.0.0.1", "--port", str(vp)], logs / "vllm-router.log"))
         targets["vllm-router"] = f"http://127.0.0.1:{vp}/v1/completions"
+        pids["vllm-router"] = procs[-1].pid
     sr = shutil.which("sglang-router") or shutil.which("sglang-router", path=str(Path(sys.executable).parent))
     if sr:
         sp = free_port()
@@ -192,6 +265,7 @@ def main() -> int:
                             "--host", "127.0.0.1", "--port", str(sp)],
                            logs / "sglang-router.log"))
         targets["sglang-router"] = f"http://127.0.0.1:{sp}/v1/completions"
+        pids["sglang-router"] = procs[-1].pid
     result: dict = {"cpus": os.cpu_count(), "seconds_per_rate": args.seconds, "runs": {}}
     try:
         for url in targets.values():
@@ -200,7 +274,11 @@ def main() -> int:
         for rate in [float(r) for r in args.rates.split(",")]:
             row = {}
             for name, url in targets.items():
+                cpu0 = cpu_seconds(pids[name])
                 row[name] = asyncio.run(load(url, rate, args.seconds, seed=int(rate)))
+                # The fake decode worker's own CPU for "direct"; the router process's otherwise.
+                row[name]["cpu_ms_per_request"] = round(
+                    (cpu_seconds(pids[name]) - cpu0) / (row[name]["requests"] + WARMUP) * 1e3, 3)
                 print(json.dumps({"rate": rate, name: row[name]}), file=sys.stderr)
             base = row["direct"]
             for name in targets:

@@ -26,24 +26,25 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
                       "param": param, "code": code}}
 
 
-def install_error_handlers(app) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
+def error_response(e: Exception, path: str = "") -> JSONResponse:
+    """The OpenAI-format response for any exception a handler raised (500 for the unexpected)."""
+    if isinstance(e, APIError):
         return JSONResponse(error_body(e.status, e.message, e.code, e.param), e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError):
+    if isinstance(e, RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_body(400, msg, "invalid_request", loc or None), 400)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        logging.getLogger(__name__).exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, "internal error", "internal_error"), 500)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException):
+    if isinstance(e, StarletteHTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code,
                             headers=getattr(e, "headers", None))
+    logging.getLogger(__name__).exception("unhandled error on %s", path, exc_info=e)
+    return JSONResponse(error_body(500, "internal error", "internal_error"), 500)
+
+
+def install_error_handlers(app) -> None:
+    async def handle(request: Request, e: Exception):
+        return error_response(e, request.url.path)
+
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, handle)

@@ -67,6 +67,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: SLO, before: dic
         "request_throughput": len(ok) / wall_s if wall_s else 0.0,
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        # First token as the router saw it (the client's TTFT waits for the first visible text).
+        "server_ttft_s": percentiles([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
         "itl_s": percentiles(itl), "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
         "goodput_requests_per_s": len(good) / wall_s if wall_s else 0.0,

@@ -28,6 +28,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     error: str | None = None
     plan: str | None = None
+    server_ttft_s: float | None = None  # the router's own first-token time (Tandem routers only)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Runner:
                         rec.prompt_tokens = ev["usage"]["prompt_tokens"]
                     if ev.get("tandem"):
                         rec.plan = ev["tandem"].get("plan")
+                        rec.server_ttft_s = ev["tandem"].get("first_token_s")
                     for ch in ev.get("choices", []):
                         content = (ch.get("delta") or {}).get("content")
                         if content:

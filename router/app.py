@@ -30,6 +30,7 @@ from router.admission import Admission
 from router.backends import BACKENDS, RequestRejected, Timeouts, WorkerFailure
 from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher, Trace
+from router.front import FrontedAPI
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
@@ -109,11 +110,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
             if redis is not None:
                 await redis.aclose()
 
-    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    app = FrontedAPI(title="Tandem router", lifespan=lifespan, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
-
-    # A plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs ~1 ms a call.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     # vLLM backends publish no block sets to our Redis: for them the router remembers what it
     # sent where (approximate, like the SGLang router's cache_aware tree).
@@ -211,12 +209,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
                            headers={"Retry-After": "1"}) from e
 
-    async def complete(body, chat: bool, request: Request, api_key: str | None):
+    async def complete(body, chat: bool, request_id: str | None, api_key: str | None):
         t_start = time.perf_counter()
         prompt = prompt_ids(body)
         max_tokens = requested_max_tokens(body) or settings.max_tokens_default
         await state["limiter"].admit(api_key, (len(prompt) + max_tokens) * body.n)
-        rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
+        rid = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
         metrics.prompt_tokens.inc(len(prompt) * body.n)
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -236,9 +234,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
             return StreamingResponse(_sse(first, gen, body, chat, rid, created, prompt, t_start, slot),
                                      media_type="text/event-stream")
         try:
-            results = await asyncio.gather(*[
-                _collect(run_one(body, prompt, i, f"{rid}-{i}" if body.n > 1 else rid), body, t_start)
-                for i in range(body.n)])
+            if body.n == 1:  # no task per choice for the common case
+                results = [await _collect(run_one(body, prompt, 0, rid), body, t_start)]
+            else:
+                results = await asyncio.gather(*[
+                    _collect(run_one(body, prompt, i, f"{rid}-{i}"), body, t_start) for i in range(body.n)])
         finally:
             await slot.__aexit__(None, None, None)
         choices = []
@@ -374,17 +374,32 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await gen.aclose()  # client gone: closing the worker stream aborts both legs
             await slot.__aexit__(None, None, None)
 
-    # The body is validated here rather than by FastAPI's dependency layer: the same pydantic
-    # models and the same 400s, for about a third of the per-request cost (bench/router_overhead.py).
+    async def serve(chat: bool, headers, raw: bytes) -> Response:
+        api_key = auth.check(headers.get("authorization"))  # 401 before any 400
+        body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+        return await complete(body, chat, headers.get("x-request-id"), api_key)
+
+    async def serve_chat(headers, raw: bytes) -> Response:
+        return await serve(True, headers, raw)
+
+    async def serve_completions(headers, raw: bytes) -> Response:
+        return await serve(False, headers, raw)
+
+    # Served by FrontedAPI.serve_directly (router/front.py) below; declared here for the OpenAPI schema.
+    # The body is validated by `parse_body` rather than FastAPI's dependency layer: the same
+    # pydantic models and the same 400s, for about a third of the per-request cost.
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest, settings.model))
     async def chat_completions(request: Request):
-        api_key = auth.check(request.headers.get("authorization"))  # 401 before any 400
-        return await complete(parse_body(ChatCompletionRequest, await request.body()), True, request, api_key)
+        return await serve_chat(request.headers, await request.body())
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest, settings.model))
     async def completions(request: Request):
-        api_key = auth.check(request.headers.get("authorization"))
-        return await complete(parse_body(CompletionRequest, await request.body()), False, request, api_key)
+        return await serve_completions(request.headers, await request.body())
+
+    app.serve_directly("/v1/chat/completions", serve_chat)
+    app.serve_directly("/v1/completions", serve_completions)
+    # Every other route: a plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs ~1 ms a call.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -14,12 +14,14 @@ come back as ids, so routing, stop strings, resume and detokenization are the sa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 import orjson
+import yarl
 
 from common.protocol import SamplingOptions
 
@@ -260,7 +262,7 @@ def _token_id(token: str) -> int:
 async def _post_json(http, w: WorkerInfo, path: str, headers: dict, body: dict,
                      timeout: aiohttp.ClientTimeout) -> dict:
     try:
-        async with http.post(f"{w.url}{path}", data=orjson.dumps(body), headers=headers,
+        async with http.post(_url(w.url, path), data=orjson.dumps(body), headers=headers,
                              timeout=timeout) as r:
             raw = await r.read()
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -302,7 +304,7 @@ class _stream:
     async def __aenter__(self):
         self.w.inflight += 1
         try:
-            self._cm = self.http.post(f"{self.w.url}{self.path}", data=orjson.dumps(self.body),
+            self._cm = self.http.post(_url(self.w.url, self.path), data=orjson.dumps(self.body),
                                       headers=self.headers, timeout=self.timeout)
             r = await self._cm.__aenter__()
             if r.status >= 400:
@@ -325,6 +327,12 @@ class _stream:
         if isinstance(e, aiohttp.ClientError | TimeoutError):
             raise WorkerFailure(f"{self.w.worker_id}: {e!r}") from e
         return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _url(base: str, path: str) -> yarl.URL:
+    # Parsed once per worker and path: aiohttp would parse the string again on every call.
+    return yarl.URL(base + path)
 
 
 def _json(raw: bytes) -> dict:

@@ -30,6 +30,7 @@ class Trace:
     retries: int = 0
     resumed: int = 0
     fallback: str | None = None
+    first_token_at: float | None = None  # perf_counter() when the router had the first token
     worker_timing: dict = field(default_factory=dict)
 
 
@@ -62,6 +63,7 @@ class Dispatcher:
                 trace.num_cached_tokens = pre["num_cached_tokens"]
                 first = pre.get("first_token_id")
                 if first is not None:  # Tandem: the client has its first token now
+                    trace.first_token_at = time.perf_counter()
                     sent.append(first)
                     lp = pre.get("first_token_logprob")
                     yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"],
@@ -79,6 +81,8 @@ class Dispatcher:
                 async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
                                                      kv_params)) as events:
                     async for ev in events:
+                        if trace.first_token_at is None and ev.token_ids:
+                            trace.first_token_at = time.perf_counter()
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or {}

@@ -45,7 +45,11 @@ def body_schema(model, served_model: str) -> dict:
 
 
 def requested_max_tokens(body) -> int | None:
-    return getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # Only chat bodies have max_completion_tokens; a missing attribute on a pydantic model costs
+    # an exception inside its __getattr__, so look it up on the class first.
+    if "max_completion_tokens" in type(body).model_fields:
+        return body.max_completion_tokens or body.max_tokens
+    return body.max_tokens
 
 
 def wants_logprobs(body, chat: bool) -> bool:
@@ -96,7 +100,10 @@ def timing_field(trace: Trace | None, t_start: float) -> dict:
             "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
             "transfer_bytes": wt.get("transfer_bytes", 0),
             "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
-            "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback}
+            "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback,
+            # When the router had the first token: the client may see it later (a token that is
+            # part of a multi-byte character, or held back by a possible stop string, has no text).
+            "first_token_s": None if trace.first_token_at is None else trace.first_token_at - t_start}
 
 
 def sse_data(obj: dict) -> bytes:

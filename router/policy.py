@@ -78,7 +78,7 @@ class RoundRobinPolicy:
 
 class RandomPolicy:
     def __init__(self, settings: RouterSettings) -> None:
-        self._rng = random.Random()
+        self._rng = random.Random(settings.policy_seed)
 
     def choose(self, ctx: RouteContext) -> Plan:
         return _default_plan(ctx, lambda pool, tag: self._rng.choice(pool))

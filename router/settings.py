@@ -27,6 +27,7 @@ class RouterSettings(BaseSettings):
     rate_limit_rpm: int | None = None  # per key, shared through Redis
     rate_limit_tpm: int | None = None  # prompt + max_tokens, per key
     policy: str = "kv_aware"
+    policy_seed: int | None = None  # seeds the random policy (reproducible runs, the simulator)
     index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
     refresh_interval_s: float = 0.5
     redis_restart_grace_s: float = 5.0  # keep known workers this long after Redis lost its data

@@ -26,6 +26,21 @@ class CostProfile:
     block_bytes: int = 368_640  # KV bytes of one block (SmolLM2 fp16: 16 x 23,040)
     num_blocks: int = 4096  # KV blocks per worker (its prefix cache's capacity)
     router_hop_s: float = 0.001  # one router -> worker HTTP hop
+    # Cores that every worker and the router share (one small machine: their work slows each
+    # other down); None = each worker has hardware of its own (a GPU per worker).
+    host_cores: float | None = None
+    router_cpu_s: float = 0.0  # router work before the first worker call (template, tokenize, route)
+    # Work per streamed token outside the workers (the router's relay, and a load generator on
+    # the same machine): it delays no request by itself, it takes cores from the cluster; only
+    # with host_cores.
+    background_cpu_per_token_s: float = 0.0
+    # A decode worker's own work per streamed token besides its steps (HTTP, events, relay), on
+    # a second thread of its process; only with host_cores.
+    worker_io_cpu_per_token_s: float = 0.0
+    # Spread of every CPU cost (coefficient of variation, lognormal, mean 1): real service times
+    # vary, and without it simulated requests fall into lockstep (e.g. each session always
+    # meeting the same prefill worker under round robin).
+    jitter: float = 0.0
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)

@@ -11,13 +11,19 @@ the same `RouteContext` and `WorkerInfo`) and the dispatcher's rate and bandwidt
   step, stalling that step for every running stream, which is the interference disaggregation
   avoids;
 - a disaggregated request's first token reaches the client when its prefill returns; its KV
-  (the blocks the decode worker lacks) crosses the link; then it joins the decode batch.
+  (the blocks the decode worker lacks) crosses the link; then it joins the decode batch;
+- with `host_cores` set (one small machine), prefills, decode steps, the router's work and the
+  load generator's are jobs on one processor-sharing `Host`: n jobs on c cores each run at
+  min(1, c / n) of full speed; each worker, the router and the load generator run one job at
+  a time (a `Thread`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +50,10 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     done_at: float | None = None
     hashes: list[int] = field(default_factory=list)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _run(coro):
@@ -77,6 +87,75 @@ class Clock:
             fn(*args)
 
 
+class Host:
+    """Processor sharing: every running job (single-threaded) progresses at min(1, cores / n)
+    while n jobs run; finish times are recomputed whenever a job starts or ends."""
+
+    def __init__(self, clock: Clock, cores: float) -> None:
+        self.clock, self.cores = clock, cores
+        self._jobs: dict[int, list] = {}  # job id -> [work left (s at full speed), fn, args]
+        self._ids = itertools.count()
+        self._last = 0.0
+        self._version = 0
+
+    def run(self, work_s: float, fn: Callable, *args) -> None:
+        self._advance()
+        self._jobs[next(self._ids)] = [work_s, fn, args]
+        self._schedule()
+
+    def _speed(self) -> float:
+        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
+
+    def _advance(self) -> None:
+        done = (self.clock.now - self._last) * self._speed()
+        self._last = self.clock.now
+        for job in self._jobs.values():
+            job[0] -= done
+
+    def _schedule(self) -> None:
+        self._version += 1
+        if self._jobs:
+            left = min(job[0] for job in self._jobs.values())
+            self.clock.after(max(left, 0.0) / self._speed(), self._finish, self._version)
+
+    def _finish(self, version: int) -> None:
+        if version != self._version:
+            return  # superseded: a job started or ended since this was scheduled
+        self._advance()
+        finished = [k for k, job in self._jobs.items() if job[0] <= 1e-12]
+        calls = [self._jobs.pop(k) for k in finished]
+        self._schedule()
+        for _, fn, args in calls:
+            fn(*args)
+
+
+class Thread:
+    """One single-threaded process on a `Host` (the router, the load generator): its jobs run
+    one after another, so it never takes more than one core, however much work is queued."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self._queue: deque = deque()
+        self._busy = False
+
+    def run(self, work_s: float, fn: Callable, *args) -> None:
+        self._queue.append((work_s, fn, args))
+        if not self._busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._queue:
+            self._busy = False
+            return
+        self._busy = True
+        work_s, fn, args = self._queue.popleft()
+        self.host.run(work_s, self._done, fn, args)
+
+    def _done(self, fn: Callable, args: tuple) -> None:
+        self._next()
+        fn(*args)
+
+
 class SimWorker:
     def __init__(self, cluster: Cluster, info: WorkerInfo) -> None:
         self.c, self.info = cluster, info
@@ -87,6 +166,7 @@ class SimWorker:
         self.joining: list[SimRequest] = []  # imported or locally prefilled, for the next step
         self.local: list[SimRequest] = []  # local prefills folded into the next step
         self.stepping = False
+        self.io_thread = Thread(cluster.host) if cluster.host else None  # its HTTP/event loop
 
     # -- what the heartbeat would publish --------------------------------------------------
     def publish(self) -> None:
@@ -114,7 +194,7 @@ class SimWorker:
         cached = self.cached_blocks(req.hashes)
         uncached = len(req.prompt) - cached * self.p.block_size
         self.publish()
-        self.c.clock.after(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled)
+        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled)
 
     def _prefilled(self, req: SimRequest, cached: int, on_prefilled) -> None:
         self.c.index.record(self.info.worker_id, req.hashes)
@@ -149,10 +229,14 @@ class SimWorker:
         dt = self.p.decode_step_s(len(self.running)) if self.running else 0.0
         dt += sum(self.p.prefill_s(len(r.prompt) - r.num_cached_tokens) for r in local)
         self.publish()
-        self.c.clock.after(dt, self._stepped, local)
+        self.c.compute(dt, self._stepped, local)
 
     def _stepped(self, local: list[SimRequest]) -> None:
         now = self.c.clock.now
+        num_tokens = len(self.running) + len(local)
+        self.c.relay(num_tokens)
+        if self.io_thread is not None and self.p.worker_io_cpu_per_token_s > 0 and num_tokens:
+            self.io_thread.run(num_tokens * self.p.worker_io_cpu_per_token_s, _nothing)
         still = []
         for r in self.running:
             r.token_times.append(now)
@@ -185,10 +269,11 @@ class Cluster:
         self.profile = profile
         self.clock = Clock()
         self.settings = settings or RouterSettings(block_size=profile.block_size,
-                                                   bytes_per_block=profile.block_bytes)
+                                                   bytes_per_block=profile.block_bytes, policy_seed=0)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
         self.index = MemoryPrefixIndex(max_blocks=profile.num_blocks)
+        self.host = Host(self.clock, profile.host_cores) if profile.host_cores else None
         self.workers: list[SimWorker] = []
         for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
             for i in range(n):
@@ -196,12 +281,39 @@ class Cluster:
                                   capacity=profile.num_blocks, block_bytes=profile.block_bytes)
                 self.workers.append(SimWorker(self, info))
         self.by_id = {w.info.worker_id: w for w in self.workers}
+        # Each worker runs one job at a time already; the router and the load generator are
+        # one thread each on the shared host.
+        self.router_thread = Thread(self.host) if self.host else None
+        self.client_thread = Thread(self.host) if self.host else None
+        self._rng = random.Random(0)
+        sigma = math.sqrt(math.log1p(profile.jitter ** 2))  # lognormal with mean 1 and this CV
+        self._noise = (lambda: self._rng.lognormvariate(-sigma * sigma / 2, sigma)) if profile.jitter else None
         self.plans: dict[str, int] = {}
+
+    def compute(self, work_s: float, fn: Callable, *args, thread: Thread | None = None) -> None:
+        """`fn(*args)` once `work_s` of CPU work is done: on the shared host if there is one
+        (in `thread`'s turn, if given)."""
+        if self._noise is not None:
+            work_s *= self._noise()
+        if self.host is None or work_s <= 0:
+            self.clock.after(work_s, fn, *args)
+        elif thread is not None:
+            thread.run(work_s, fn, *args)
+        else:
+            self.host.run(work_s, fn, *args)
 
     def submit(self, req: SimRequest) -> None:
         self.clock.at(req.arrival, self._route, req)
 
     def _route(self, req: SimRequest) -> None:
+        self.compute(self.profile.router_cpu_s, self._routed, req, thread=self.router_thread)
+
+    def relay(self, num_tokens: int) -> None:
+        """The host work of streaming `num_tokens` tokens to clients (shared host only)."""
+        if self.host is not None and self.profile.background_cpu_per_token_s > 0 and num_tokens:
+            self.client_thread.run(num_tokens * self.profile.background_cpu_per_token_s, _nothing)
+
+    def _routed(self, req: SimRequest) -> None:
         req.hashes = self.hasher(req.prompt)
         live = [w.info for w in self.workers]
         by_role = {r: [w for w in live if w.role == r] for r in ("prefill", "decode", "colocated")}
@@ -215,7 +327,7 @@ class Cluster:
         d.info.inflight += 1
         hop = self.profile.router_hop_s
         if plan.kind != "disagg":
-            self.clock.after(hop, d.prefill_locally, req)
+            self.compute(hop, d.prefill_locally, req, thread=self.router_thread)
             return
         p = self.by_id[plan.prefill.worker_id]
         uncached = len(req.prompt) - plan.cached_blocks * self.profile.block_size
@@ -229,6 +341,7 @@ class Cluster:
             now = self.clock.now
             learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, now + hop - sent)
             r.num_cached_tokens = cached_tokens
+            self.relay(1)
             r.first_token_at = now + hop
             r.token_times.append(now)
             if len(r.answer) <= 1:
@@ -240,6 +353,7 @@ class Cluster:
             missing = len(r.hashes) - d.cached_blocks(r.hashes) + (len(r.prompt) % self.profile.block_size > 0)
             t = self.profile.transfer_s(missing)
             learn_bandwidth(d.info, {"transfer_bytes": missing * self.profile.block_bytes, "transfer_s": t})
-            self.clock.after(2 * hop + t, d.join, r)  # the decode call, then the pull
+            # The decode call, then the pull (waiting on the link, not the CPU).
+            self.compute(2 * hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 
-        self.clock.after(hop, p.submit_prefill, req, prefilled)
+        self.compute(hop, p.submit_prefill, req, prefilled, thread=self.router_thread)

@@ -102,3 +102,34 @@ def test_transport_table():
     assert get_transport_class("tcp").name == "tcp"
     with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
         get_transport_class("rdma")
+
+
+def test_lease_watcher_wakes_as_soon_as_blocks_are_exported():
+    """NIXL runs without its progress thread: a receiver's READ advances only while the sender
+    polls. A grant must end the watcher's idle wait at once, not after the idle interval."""
+    import asyncio
+
+    from kv_transfer.connector import KVConnector
+    from kv_transfer.transport import TransportConfig
+
+    async def run() -> None:
+        cache = torch.zeros(8, 2, 2, 4, 2, 8, dtype=torch.float16)
+        connector = KVConnector(cache, KVLayout.of_cache(cache, "m"), TransportConfig(engine_id="e"),
+                                "tcp", lambda rid: None, idle_interval_s=60.0)
+        await connector.start()
+        try:
+            polls = []
+            completed = connector.transport.completed
+            connector.transport.completed = lambda: (polls.append(1), completed())[1]
+            await asyncio.sleep(0.2)  # the watcher is in its (60 s) idle wait now
+            before = len(polls)
+            connector.export("r1", [0, 1])
+            for _ in range(500):  # up to ~5 s; the idle interval would take 60
+                if len(polls) > before:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(polls) > before, "the watcher slept through a grant"
+        finally:
+            await connector.close()
+
+    asyncio.run(run())

@@ -62,6 +62,8 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
                 name="mt", sessions=sessions)
         assert s["requests"] == s["ok"] == 12 and not s["errors"], s
         assert 0 < s["ttft_s"]["p50"] <= s["e2e_s"]["p50"]
+        # The router had each first token no later than the client saw text.
+        assert 0 < s["server_ttft_s"]["p50"] <= s["ttft_s"]["p50"]
         assert s["itl_s"]["p50"] is not None and s["output_tokens_per_s"] > 0
         assert 0.2 < s["prefix_hit_ratio"] < 1  # later turns reuse earlier turns' blocks
         assert sum(s["route_plans"].values()) == 12

@@ -48,7 +48,9 @@ def test_chat_matches_the_engine_and_reports_usage(client, reference):
     assert r.choices[0].message.content == want.text
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r.usage.completion_tokens == len(want.token_ids)
-    assert r.model_extra["tandem"]["plan"] in ("disagg", "decode_local")
+    timing = r.model_extra["tandem"]
+    assert timing["plan"] in ("disagg", "decode_local")
+    assert 0 < timing["first_token_s"] <= timing["total_s"]
 
 
 def test_streaming_completion_equals_non_streaming(client):
@@ -109,6 +111,16 @@ def test_errors_have_openai_types_and_the_router_stays_up(cluster, client):
     huge = httpx.post(f"{r.url}/v1/completions", content=b"x" * (5 << 20),
                       headers={"content-type": "application/json"})
     assert huge.status_code == 413
+
+    def chunked_body():  # no content-length: the limit must hold while the body is read
+        yield b'{"model": "tiny-random", "prompt": "'
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+
+    chunked = httpx.post(f"{r.url}/v1/completions", content=chunked_body(),
+                         headers={"content-type": "application/json"})
+    assert chunked.status_code == 413
+    assert chunked.json()["error"]["code"] == "request_too_large"
     assert httpx.get(f"{r.url}/health").status_code == 200
     assert client.models.list().data[0].id == "tiny-random"
 

@@ -84,3 +84,32 @@ def test_profile_file_and_cli(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "bench" / "results" / "sim_sweep.json").read_text())["rows"]
     assert [r["policy"] for r in rows] == ["kv_aware", "round_robin", "random"]
     assert all(r["completed"] == r["requests"] == 200 for r in rows)
+
+
+def test_shared_host_is_processor_sharing():
+    from sim.simulator import Clock, Host
+
+    def finish_times(cores: float, works: list[float]) -> list[float]:
+        clock = Clock()
+        host = Host(clock, cores)
+        done: list[float] = []
+        for w in works:
+            host.run(w, lambda: done.append(clock.now))
+        clock.run()
+        return done
+
+    assert finish_times(1, [1.0, 1.0]) == pytest.approx([2.0, 2.0])  # two jobs share one core
+    assert finish_times(2, [1.0, 1.0]) == pytest.approx([1.0, 1.0])  # one core each
+    assert finish_times(1, [1.0, 2.0]) == pytest.approx([2.0, 3.0])  # alone after the first ends
+    assert finish_times(2, [1.0, 1.0, 1.0, 1.0]) == pytest.approx([2.0] * 4)
+
+
+def test_one_machine_profile_slows_a_loaded_cluster_and_random_is_reproducible():
+    from dataclasses import replace
+
+    sessions = multi_turn(30, turns=3, seed=2, system_tokens=200, user_tokens=20, answer_tokens=16)
+    own = simulate(PROFILE, 2, 1, "random", sessions, concurrency=8)
+    shared = simulate(replace(PROFILE, host_cores=1, background_cpu_per_token_s=0.002), 2, 1, "random",
+                      sessions, concurrency=8)
+    assert shared["ttft_s"]["p50"] > own["ttft_s"]["p50"]
+    assert simulate(PROFILE, 2, 1, "random", sessions, concurrency=8) == own  # seeded policy

@@ -1,0 +1,64 @@
+"""The hot path: `POST /v1/completions` and `/v1/chat/completions` answered before FastAPI's stack.
+
+FastAPI's middleware, routing, dependency solving and exception layers cost a noticeable share of
+the router's per-request CPU (bench/router_overhead.py); these two endpoints validate their own
+body anyway, so `FrontedAPI` hands them straight to their handler, with the same errors
+(common/errors.py) and body limit. The FastAPI routes of the same paths stay declared: they are
+what the OpenAPI schema describes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.responses import Response
+
+from common.errors import APIError, error_response
+
+Handler = Callable[[Headers, bytes], Awaitable[Response]]
+
+
+class FrontedAPI(FastAPI):
+    """A FastAPI app where POSTs to a path given to `serve_directly` skip the framework: the
+    body is read whole (refused with 413 past `max_body_bytes`, declared or chunked) and goes
+    to `handler(headers, body)`, whose response or error is sent as is."""
+
+    def __init__(self, *args, max_body_bytes: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_body_bytes = max_body_bytes
+        self._direct: dict[str, Handler] = {}
+
+    def serve_directly(self, path: str, handler: Handler) -> None:
+        self._direct[path] = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self._direct.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            body = await self._body(headers, receive)
+            response = await handler(headers, body)
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-format answer
+            response = error_response(e, scope["path"])
+        await response(scope, receive, send)
+
+    async def _body(self, headers: Headers, receive) -> bytes:
+        limit = self.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body over {limit} bytes", "request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise APIError(400, "the client closed the request", "client_disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body over {limit} bytes", "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
