@@ -24,6 +24,7 @@ what the router reports per request (its `tandem` field):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -41,7 +42,7 @@ from clusters import ROOT  # bench/ is on sys.path when run as a script
 from router_overhead import cpu_seconds
 
 from loadgen import workload
-from loadgen.bench import run as bench_run
+from loadgen.runner import RunConfig, Runner
 from sim.profile import CostProfile
 from tests.worker.cluster import Router, Worker
 
@@ -101,11 +102,13 @@ def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path)
         decode_pid = workers[1].proc.pid
         cpu0, self0, t0 = cpu_seconds(router.proc.pid), _own_cpu(), time.perf_counter()
         dcpu0 = cpu_seconds(decode_pid)
-        summary = bench_run(f"{router.url}/v1", name, "multi-turn", len(sessions), concurrency=4,
-                            sessions=sessions, out_dir=work / "load", name="calibration")
+        # The runner alone: `tandem bench`'s report (matplotlib) would count as load CPU.
+        records = asyncio.run(Runner(RunConfig(f"{router.url}/v1", name, concurrency=4)).run(sessions))
         wall = time.perf_counter() - t0
-        chat = {"requests": summary["requests"], "wall_s": wall,
-                "output_tokens": round(summary["output_tokens_per_s"] * summary["wall_s"]),
+        if any(r.error for r in records):
+            raise RuntimeError(f"calibration requests failed: {[r.error for r in records if r.error]}")
+        chat = {"requests": len(records), "wall_s": wall,
+                "output_tokens": sum(r.completion_tokens for r in records),
                 "router_cpu_s": cpu_seconds(router.proc.pid) - cpu0, "client_cpu_s": _own_cpu() - self0,
                 "decode_cpu_s": cpu_seconds(decode_pid) - dcpu0}
     finally:
