@@ -113,3 +113,57 @@ def test_one_machine_profile_slows_a_loaded_cluster_and_random_is_reproducible()
                       sessions, concurrency=8)
     assert shared["ttft_s"]["p50"] > own["ttft_s"]["p50"]
     assert simulate(PROFILE, 2, 1, "random", sessions, concurrency=8) == own  # seeded policy
+
+
+def test_validate_compares_with_the_mean_of_real_repeats(tmp_path, monkeypatch):
+    import sim.__main__ as cli
+
+    monkeypatch.setattr(cli, "ROOT", tmp_path)
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    runs, repeats = {}, {}
+    for policy in ("kv_aware", "round_robin", "random"):
+        runs[policy] = {"prefix_hit_ratio": 0.5, "ttft_s": {"p50": 1.0}, "server_ttft_s": {"p50": 0.02}}
+        repeats[policy] = [{"hit_ratio": 0.4, "server_ttft_p50_s": 0.01},
+                           {"hit_ratio": 0.6, "server_ttft_p50_s": 0.03}]
+    (results / "policies.json").write_text(json.dumps({"sessions": 3, "turns": 2, "runs": runs,
+                                                       "repeats": repeats}))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(PROFILE.to_json()))
+    assert sim_main(["validate", "--profile-file", str(profile)]) == 0
+    out = json.loads((results / "sim_validate.json").read_text())["policies"]
+    for policy, cmp in out.items():
+        hit, ttft = cmp["hit_ratio"], cmp["ttft_p50_s"]
+        assert (hit["real"], hit["real_min"], hit["real_max"]) == pytest.approx((0.5, 0.4, 0.6)), policy
+        # The router-side first-token time, not the client's TTFT (1 s here).
+        assert ttft["real"] == pytest.approx(0.02) and ttft["error"] == pytest.approx((ttft["sim"] - 0.02) / 0.02)
+
+
+def test_profile_fit_recovers_the_costs_it_was_measured_with():
+    import sys
+
+    from tests.worker.cluster import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_profile import fit
+
+    hop, fixed, rate, latency, bw, step = 0.0005, 0.004, 50_000.0, 0.0015, 5e8, 0.002
+    single = []
+    for n in (16, 64, 128, 256, 512):
+        num_bytes = -(-n // 4) * 2048
+        single.append({"plan": "disagg", "num_prompt": n, "num_cached_tokens": 0, "num_output": 8,
+                       "prefill_s": 2 * hop + fixed + n / rate, "first_token_s": 0.001 + 2 * hop + fixed + n / rate,
+                       "transfer_bytes": num_bytes, "transfer_s": latency + num_bytes / bw,
+                       "decode_s": 7 * step})
+    batch = [{"num_output": 32, "decode_s": 31 * (step + 3 * 0.0004)}] * 4
+    chat = {"requests": 10, "output_tokens": 80, "router_cpu_s": 10 * (0.001 + 3 * hop) + 0.04,
+            "client_cpu_s": 0.04, "decode_cpu_s": 70 * step}
+    p = fit({"rtt_s": [2 * hop] * 5, "single": single, "batch": batch, "chat": chat, "block_size": 4,
+             "num_blocks": 100, "host_cores": 2})
+    assert p.router_hop_s == pytest.approx(hop)
+    assert p.prefill_tokens_per_s == pytest.approx(rate) and p.prefill_fixed_s == pytest.approx(fixed)
+    assert p.link_latency_s == pytest.approx(latency) and p.link_bytes_per_s == pytest.approx(bw)
+    assert p.block_bytes == 2048 and p.router_cpu_s == pytest.approx(0.001)
+    assert p.decode_step_base_s == pytest.approx(step) and p.decode_step_per_seq_s == pytest.approx(0.0004)
+    assert p.background_cpu_per_token_s == pytest.approx(0.08 / 80) and p.worker_io_cpu_per_token_s == 0
+    assert p.jitter == pytest.approx(0.0, abs=1e-9) and p.host_cores == 2
