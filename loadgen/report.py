@@ -108,6 +108,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, title: str, out: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
     if (plt := _pyplot()) is None:
         return None
@@ -122,11 +130,7 @@ def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, title, out)
 
 
 def plot_rates(rows: list[dict], out: Path, title: str) -> Path | None:
@@ -147,11 +151,7 @@ def plot_rates(rows: list[dict], out: Path, title: str) -> Path | None:
     right.legend()
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, title, out)
 
 
 def write(summary: dict, records: list[RequestRecord], out_dir: Path, name: str) -> dict[str, Path]:

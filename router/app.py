@@ -8,6 +8,7 @@ OpenAI JSON or SSE. The router never imports torch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -379,25 +380,19 @@ def create_app(settings: RouterSettings) -> FastAPI:
         body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
         return await complete(body, chat, headers.get("x-request-id"), api_key)
 
-    async def serve_chat(headers, raw: bytes) -> Response:
-        return await serve(True, headers, raw)
-
-    async def serve_completions(headers, raw: bytes) -> Response:
-        return await serve(False, headers, raw)
-
     # Served by FrontedAPI.serve_directly (router/front.py) below; declared here for the OpenAPI schema.
     # The body is validated by `parse_body` rather than FastAPI's dependency layer: the same
     # pydantic models and the same 400s, for about a third of the per-request cost.
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest, settings.model))
     async def chat_completions(request: Request):
-        return await serve_chat(request.headers, await request.body())
+        return await serve(True, request.headers, await request.body())
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest, settings.model))
     async def completions(request: Request):
-        return await serve_completions(request.headers, await request.body())
+        return await serve(False, request.headers, await request.body())
 
-    app.serve_directly("/v1/chat/completions", serve_chat)
-    app.serve_directly("/v1/completions", serve_completions)
+    app.serve_directly("/v1/chat/completions", functools.partial(serve, True))
+    app.serve_directly("/v1/completions", functools.partial(serve, False))
     # Every other route: a plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs ~1 ms a call.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 

@@ -4,9 +4,12 @@ A plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware costs 
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from common.errors import APIError, error_response
 
-from common.errors import error_body
+
+def too_large(max_bytes: int) -> APIError:
+    """The 413 for a body over the limit (declared or found while reading it)."""
+    return APIError(413, f"request body over {max_bytes} bytes", "request_too_large")
 
 
 class BodyLimit:
@@ -19,8 +22,6 @@ class BodyLimit:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    resp = JSONResponse(error_body(413, f"request body over {self.max_bytes} bytes",
-                                                   "request_too_large"), 413)
-                    await resp(scope, receive, send)
+                    await error_response(too_large(self.max_bytes))(scope, receive, send)
                     return
         await self.app(scope, receive, send)

@@ -15,6 +15,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from common.errors import APIError, error_response
+from router.body_limit import too_large
 
 Handler = Callable[[Headers, bytes], Awaitable[Response]]
 
@@ -49,7 +50,7 @@ class FrontedAPI(FastAPI):
         limit = self.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body over {limit} bytes", "request_too_large")
+            raise too_large(limit)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -58,7 +59,7 @@ class FrontedAPI(FastAPI):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise APIError(413, f"request body over {limit} bytes", "request_too_large")
+                raise too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

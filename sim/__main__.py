@@ -122,12 +122,15 @@ def cmd_validate(args) -> int:
                "ttft_p50_s": (sim["ttft_s"]["p50"], [r["server_ttft_p50_s"] for r in runs])}
         # Against the mean of the real runs, with their spread: one run on this machine moves
         # by tens of percent from the next.
-        out["policies"][policy] = {k: {"sim": a, "real": sum(b) / len(b), "real_min": min(b), "real_max": max(b),
-                                       "error": (a - sum(b) / len(b)) / (sum(b) / len(b))}
-                                   for k, (a, b) in cmp.items()}
+        out["policies"][policy] = {k: _versus(a, b) for k, (a, b) in cmp.items()}
     _write("sim_validate.json", out)
     print(json.dumps(out["policies"], indent=2))
     return 0
+
+
+def _versus(sim: float, real: list[float]) -> dict:
+    mean = sum(real) / len(real)
+    return {"sim": sim, "real": mean, "real_min": min(real), "real_max": max(real), "error": (sim - mean) / mean}
 
 
 def _write(name: str, data: dict) -> None:
