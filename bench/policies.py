@@ -1,10 +1,11 @@
 """Routing policies on multi-turn traffic, in one run: kv_aware vs round_robin vs random.
 
     .venv/bin/python bench/policies.py [--model tiny-random] [--sessions 12] [--turns 4] [--repeat 3]
+                                       [--concurrency 4] [--out bench/results/policies.json]
 
 For each policy a fresh cluster (Redis namespace, 2 prefill + 1 decode workers, the router) gets
 the same seeded multi-turn workload through `tandem bench`'s runner (closed loop, 4 sessions in
-flight). JSON: bench/results/policies.json, with hit ratio and TTFT ratios against round_robin.
+flight, or --concurrency). JSON: bench/results/policies.json, with hit ratio and TTFT ratios against round_robin.
 With --repeat N the whole comparison runs N times (this machine's run-to-run spread is large):
 `runs` holds the first, `repeats` every run's hit ratio and TTFT p50 (client and router side).
 """
@@ -29,6 +30,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "policies.json"))
     args = ap.parse_args()
     sessions = workload.multi_turn(args.sessions, turns=args.turns, seed=0, system_words=30, user_words=8,
                                    max_tokens=8)
@@ -38,7 +41,8 @@ def main() -> int:
         for _ in range(args.repeat):
             for policy in ("kv_aware", "round_robin", "random"):
                 s = run_on_cluster(f"policy-{policy}", ["prefill", "prefill", "decode"], args.model,
-                                   "multi-turn", sessions, Path(tmp), policy=policy, num_blocks=args.num_blocks)
+                                   "multi-turn", sessions, Path(tmp), policy=policy, num_blocks=args.num_blocks,
+                                   concurrency=args.concurrency)
                 results.setdefault(policy, s)
                 repeats.setdefault(policy, []).append({
                     "hit_ratio": s["prefix_hit_ratio"], "ttft_p50_s": s["ttft_s"]["p50"],
@@ -52,9 +56,11 @@ def main() -> int:
                   "ttft_p50_vs_round_robin": s["ttft_s"]["p50"] / base["ttft_s"]["p50"],
                   "ttft_p99_vs_round_robin": s["ttft_s"]["p99"] / base["ttft_s"]["p99"]}
               for p, s in results.items()}
-    out = {"model": args.model, "sessions": args.sessions, "turns": args.turns, "runs": results,
+    out = {"model": args.model, "sessions": args.sessions, "turns": args.turns,
+           "concurrency": args.concurrency, "runs": results,
            "repeats": repeats, "ratios": ratios}
-    path = ROOT / "bench" / "results" / "policies.json"
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     return 0

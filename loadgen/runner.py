@@ -29,6 +29,7 @@ class RequestRecord:
     error: str | None = None
     plan: str | None = None
     server_ttft_s: float | None = None  # the router's own first-token time (Tandem routers only)
+    timing: dict | None = None  # the router's `tandem` field: plan, cached tokens, where the time went
 
 
 @dataclass
@@ -120,8 +121,9 @@ class Runner:
                         rec.completion_tokens = ev["usage"]["completion_tokens"]
                         rec.prompt_tokens = ev["usage"]["prompt_tokens"]
                     if ev.get("tandem"):
-                        rec.plan = ev["tandem"].get("plan")
-                        rec.server_ttft_s = ev["tandem"].get("first_token_s")
+                        rec.timing = ev["tandem"]
+                        rec.plan = rec.timing.get("plan")
+                        rec.server_ttft_s = rec.timing.get("first_token_s")
                     for ch in ev.get("choices", []):
                         content = (ch.get("delta") or {}).get("content")
                         if content:

@@ -1,14 +1,14 @@
 """Size a cluster before buying it: simulated multi-turn traffic over the router's real policy.
 
     python -m sim sweep [--profile smollm2-cpu | --profile-file gpu.json] [--sessions 10000]
-    python -m sim validate [--profile-file my-profile.json]
-                             # against bench/results/policies.json (a real run on this machine)
+    python -m sim validate [--profile-file my-profile.json] [--real bench/results/policies.json]
+                             # against a real bench/policies.py run on this machine
 
 `sweep` runs, per policy (kv_aware, round_robin, random), cluster size (8 to 128 workers) and
 P:D ratio, the same seeded sessions at an arrival rate that scales with the cluster, and reports
 hit ratio, TTFT and ITL p50/p99 and goodput under the SLO. JSON: bench/results/sim_sweep.json.
 `validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
-2 prefill + 1 decode, 4 sessions in flight) at the tiny-cpu profile (or one given with
+2 prefill + 1 decode, as many sessions in flight) at the tiny-cpu profile (or one given with
 --profile-file) and compares with the real run. JSON: bench/results/sim_validate.json.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sim.profile import calibrated, load
 from sim.simulator import Cluster, SimRequest
-from sim.workload import Driver, SimSession, multi_turn
+from sim.workload import Driver, SimSession, from_chat, multi_turn
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("kv_aware", "round_robin", "random")
@@ -93,7 +93,7 @@ def cmd_validate(args) -> int:
     from engine.model_store import resolve_model
     from loadgen import workload
 
-    real_path = ROOT / "bench" / "results" / "policies.json"
+    real_path = Path(args.real) if args.real else ROOT / "bench" / "results" / "policies.json"
     if not real_path.exists():
         print(f"no real run at {real_path}: run `.venv/bin/python bench/policies.py` first", file=sys.stderr)
         return 2
@@ -101,18 +101,12 @@ def cmd_validate(args) -> int:
     tok = Tokenizer(resolve_model("tiny-random"))
     text_sessions = workload.multi_turn(real["sessions"], turns=real["turns"], seed=0, system_words=30,
                                         user_words=8, max_tokens=8)
-    sessions = []
-    for s in text_sessions:
-        system = tok.encode_chat([{"role": "system", "content": s.system}], add_generation_prompt=False)
-        turns = []
-        for t in s.turns:
-            user = tok.encode_chat([{"role": "user", "content": t.user}], add_generation_prompt=True)
-            turns.append((user, t.max_tokens))
-        sessions.append(SimSession(system, turns))
+    sessions = from_chat(text_sessions, tok)
     profile = load(args.profile_file) if args.profile_file else calibrated("tiny-cpu")
-    out = {"profile": profile.to_json(), "policies": {}}
+    out = {"profile": profile.to_json(), "real": str(real_path), "concurrency": real.get("concurrency", 4),
+           "policies": {}}
     for policy in POLICIES:
-        sim = simulate(profile, 2, 1, policy, sessions, concurrency=4)
+        sim = simulate(profile, 2, 1, policy, sessions, concurrency=real.get("concurrency", 4))
         got = real["runs"][policy]
         # The router's own first-token time: the client's TTFT also waits for the first token
         # that has text, which tiny-random's byte tokens often lack (not a routing cost).
@@ -123,7 +117,7 @@ def cmd_validate(args) -> int:
         # Against the mean of the real runs, with their spread: one run on this machine moves
         # by tens of percent from the next.
         out["policies"][policy] = {k: _versus(a, b) for k, (a, b) in cmp.items()}
-    _write("sim_validate.json", out)
+    _write(args.out, out)
     print(json.dumps(out["policies"], indent=2))
     return 0
 
@@ -162,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
     va.add_argument("--profile-file", default=None,
                     help="a JSON cost profile instead of the built-in tiny-cpu one")
+    va.add_argument("--real", default=None, help="a bench/policies.py JSON (default: bench/results/policies.json)")
+    va.add_argument("--out", default="sim_validate.json", help="file name under bench/results/")
     va.set_defaults(func=cmd_validate)
     args = ap.parse_args(argv)
     return args.func(args)

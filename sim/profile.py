@@ -26,17 +26,22 @@ class CostProfile:
     block_bytes: int = 368_640  # KV bytes of one block (SmolLM2 fp16: 16 x 23,040)
     num_blocks: int = 4096  # KV blocks per worker (its prefix cache's capacity)
     router_hop_s: float = 0.001  # one router -> worker HTTP hop
+    # The fixed part of a prefill on a decode worker (the local plan, or a colocated worker),
+    # whose first token streams out rather than coming back with KV parameters; None = as above.
+    local_prefill_fixed_s: float | None = None
     # Cores that every worker and the router share (one small machine: their work slows each
-    # other down); None = each worker has hardware of its own (a GPU per worker).
+    # other down); None = each worker has hardware of its own (a GPU per worker). With it, every
+    # process (each worker, the router, the load generator) is one thread on the shared host:
+    # its work runs in order, one job at a time (a Python process, bound by its GIL), and the
+    # costs below, all CPU work of one process, apply.
     host_cores: float | None = None
     router_cpu_s: float = 0.0  # router work before the first worker call (template, tokenize, route)
-    # Work per streamed token outside the workers (the router's relay, and a load generator on
-    # the same machine): it delays no request by itself, it takes cores from the cluster; only
-    # with host_cores.
-    background_cpu_per_token_s: float = 0.0
-    # A decode worker's own work per streamed token besides its steps (HTTP, events, relay), on
-    # a second thread of its process; only with host_cores.
-    worker_io_cpu_per_token_s: float = 0.0
+    router_relay_cpu_per_token_s: float = 0.0  # the router's work per token it relays to a client
+    client_cpu_per_token_s: float = 0.0  # a load generator on the same machine, per token it reads
+    # A worker's own work per request besides its prefill or decode steps (HTTP, leases, pulls,
+    # events), after the work the request waits for: it delays the worker's next job.
+    prefill_io_cpu_s: float = 0.0
+    decode_io_cpu_s: float = 0.0
     # Spread of every CPU cost (coefficient of variation, lognormal, mean 1): real service times
     # vary, and without it simulated requests fall into lockstep (e.g. each session always
     # meeting the same prefill worker under round robin).
@@ -45,8 +50,9 @@ class CostProfile:
     def decode_step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)
 
-    def prefill_s(self, num_uncached: int) -> float:
-        return self.prefill_fixed_s + num_uncached / self.prefill_tokens_per_s
+    def prefill_s(self, num_uncached: int, local: bool = False) -> float:
+        fixed = self.local_prefill_fixed_s if local and self.local_prefill_fixed_s is not None else self.prefill_fixed_s
+        return fixed + num_uncached / self.prefill_tokens_per_s
 
     def transfer_s(self, num_blocks: int) -> float:
         return self.link_latency_s + num_blocks * self.block_bytes / self.link_bytes_per_s
@@ -72,11 +78,15 @@ SMOLLM2_CPU = CostProfile(prefill_tokens_per_s=480.0, prefill_fixed_s=0.01, deco
                           decode_step_per_seq_s=0.0064, link_bytes_per_s=4e9, link_latency_s=0.002,
                           block_size=16, block_bytes=737_280, num_blocks=2048, router_hop_s=0.002)
 
-# tiny-random (2 layers, hidden 64) as the tests and bench/policies.py run it: the costs are all
-# fixed overheads (HTTP, scheduling, Python), which is what dominates on this machine.
-TINY_CPU = CostProfile(prefill_tokens_per_s=20000.0, prefill_fixed_s=0.012, decode_step_base_s=0.004,
-                       decode_step_per_seq_s=0.0005, link_bytes_per_s=2e9, link_latency_s=0.006,
-                       block_size=4, block_bytes=2048, num_blocks=2048, router_hop_s=0.003)
+# tiny-random (2 layers, hidden 64) as the tests and bench/policies.py run it, every process on
+# this 2-core machine: the costs are all fixed overheads (HTTP, scheduling, Python). Measured by
+# bench/sim_profile.py (two pooled calibrations of 3 clusters each, rounded).
+TINY_CPU = CostProfile(prefill_tokens_per_s=72_000.0, prefill_fixed_s=0.0026, decode_step_base_s=0.0014,
+                       decode_step_per_seq_s=0.00045, link_bytes_per_s=2e8, link_latency_s=0.00155,
+                       block_size=4, block_bytes=2048, num_blocks=2048, router_hop_s=0.00026,
+                       local_prefill_fixed_s=0.0033, host_cores=1.88, router_cpu_s=0.001,
+                       router_relay_cpu_per_token_s=0.00024, client_cpu_per_token_s=0.0003,
+                       prefill_io_cpu_s=0.00014, decode_io_cpu_s=0.0003, jitter=0.26)
 
 PROFILES = {"smollm2-cpu": SMOLLM2_CPU, "tiny-cpu": TINY_CPU}
 

@@ -12,10 +12,11 @@ the same `RouteContext` and `WorkerInfo`) and the dispatcher's rate and bandwidt
   avoids;
 - a disaggregated request's first token reaches the client when its prefill returns; its KV
   (the blocks the decode worker lacks) crosses the link; then it joins the decode batch;
-- with `host_cores` set (one small machine), prefills, decode steps, the router's work and the
-  load generator's are jobs on one processor-sharing `Host`: n jobs on c cores each run at
-  min(1, c / n) of full speed; each worker, the router and the load generator run one job at
-  a time (a `Thread`).
+- with `host_cores` set (one small machine), every process is a `Thread` on one
+  processor-sharing `Host` (n jobs on c cores each run at min(1, c / n) of full speed): each
+  worker (its prefills or decode steps and its own I/O, in order: one Python process), the
+  router (routing, hops, relaying tokens) and the load generator (reading tokens; a session's
+  next turn waits for it to read the last one).
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ class Thread:
         self.host = host
         self._queue: deque = deque()
         self._busy = False
+        self.busy_s = 0.0  # all the work it was given (its CPU time)
 
     def run(self, work_s: float, fn: Callable, *args) -> None:
+        self.busy_s += work_s
         self._queue.append((work_s, fn, args))
         if not self._busy:
             self._next()
@@ -166,7 +169,7 @@ class SimWorker:
         self.joining: list[SimRequest] = []  # imported or locally prefilled, for the next step
         self.local: list[SimRequest] = []  # local prefills folded into the next step
         self.stepping = False
-        self.io_thread = Thread(cluster.host) if cluster.host else None  # its HTTP/event loop
+        self.thread = Thread(cluster.host) if cluster.host else None  # its process, on a shared host
 
     # -- what the heartbeat would publish --------------------------------------------------
     def publish(self) -> None:
@@ -194,11 +197,13 @@ class SimWorker:
         cached = self.cached_blocks(req.hashes)
         uncached = len(req.prompt) - cached * self.p.block_size
         self.publish()
-        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled)
+        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled, thread=self.thread)
 
     def _prefilled(self, req: SimRequest, cached: int, on_prefilled) -> None:
         self.c.index.record(self.info.worker_id, req.hashes)
         on_prefilled(req, cached * self.p.block_size)
+        if self.thread is not None:  # its own work once it has answered (lease, pull, release)
+            self.c.compute(self.p.prefill_io_cpu_s, _nothing, thread=self.thread)
         self._next_prefill()
 
     # -- decode role -------------------------------------------------------------------------
@@ -227,38 +232,39 @@ class SimWorker:
             self.publish()
             return
         dt = self.p.decode_step_s(len(self.running)) if self.running else 0.0
-        dt += sum(self.p.prefill_s(len(r.prompt) - r.num_cached_tokens) for r in local)
+        dt += sum(self.p.prefill_s(len(r.prompt) - r.num_cached_tokens, local=True) for r in local)
         self.publish()
-        self.c.compute(dt, self._stepped, local)
+        self.c.compute(dt, self._stepped, local, thread=self.thread)
 
     def _stepped(self, local: list[SimRequest]) -> None:
         now = self.c.clock.now
-        num_tokens = len(self.running) + len(local)
-        self.c.relay(num_tokens)
-        if self.io_thread is not None and self.p.worker_io_cpu_per_token_s > 0 and num_tokens:
-            self.io_thread.run(num_tokens * self.p.worker_io_cpu_per_token_s, _nothing)
-        still = []
+        still, finished = [], []
         for r in self.running:
             r.token_times.append(now)
-            if len(r.token_times) >= len(r.answer):
-                self._finish(r)
-            else:
-                still.append(r)
+            (finished if len(r.token_times) >= len(r.answer) else still).append(r)
         for r in local:  # the step that prefilled it also sampled its first token
             self.c.index.record(self.info.worker_id, r.hashes)
-            r.first_token_at = now + self.p.router_hop_s
             r.token_times.append(now)
-            (self._finish if len(r.answer) <= 1 else still.append)(r)
+            (finished if len(r.answer) <= 1 else still).append(r)
         self.running = still
+        hop = self.p.router_hop_s
+        for r in local:
+            r.first_token_at = now + hop
+        for r in finished:
+            # The decode side caches the whole sequence's full blocks: the next turn's prefix.
+            self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
+            self.info.inflight -= 1
+            self.c.clock.after(hop, self.c.deliver, 1, self._done, r)
+            if self.thread is not None:  # its own work for the request besides the steps, before the next
+                self.c.compute(self.p.decode_io_cpu_s, _nothing, thread=self.thread)
+        if still:
+            self.c.clock.after(hop, self.c.deliver, len(still))
         self._step()
 
-    def _finish(self, r: SimRequest) -> None:
-        # The decode side caches the whole sequence's full blocks: the next turn's prefix.
-        self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
-        self.info.inflight -= 1
-        r.done_at = self.c.clock.now + self.p.router_hop_s
+    def _done(self, r: SimRequest) -> None:
+        r.done_at = self.c.clock.now
         if r.on_done:
-            self.c.clock.at(r.done_at, r.on_done, r)
+            r.on_done(r)
 
 
 class Cluster:
@@ -281,8 +287,6 @@ class Cluster:
                                   capacity=profile.num_blocks, block_bytes=profile.block_bytes)
                 self.workers.append(SimWorker(self, info))
         self.by_id = {w.info.worker_id: w for w in self.workers}
-        # Each worker runs one job at a time already; the router and the load generator are
-        # one thread each on the shared host.
         self.router_thread = Thread(self.host) if self.host else None
         self.client_thread = Thread(self.host) if self.host else None
         self._rng = random.Random(0)
@@ -295,12 +299,14 @@ class Cluster:
         (in `thread`'s turn, if given)."""
         if self._noise is not None:
             work_s *= self._noise()
-        if self.host is None or work_s <= 0:
+        if self.host is None:
             self.clock.after(work_s, fn, *args)
-        elif thread is not None:
+        elif thread is not None:  # in order, even with no work
             thread.run(work_s, fn, *args)
-        else:
+        elif work_s > 0:
             self.host.run(work_s, fn, *args)
+        else:
+            self.clock.after(0.0, fn, *args)
 
     def submit(self, req: SimRequest) -> None:
         self.clock.at(req.arrival, self._route, req)
@@ -308,10 +314,25 @@ class Cluster:
     def _route(self, req: SimRequest) -> None:
         self.compute(self.profile.router_cpu_s, self._routed, req, thread=self.router_thread)
 
-    def relay(self, num_tokens: int) -> None:
-        """The host work of streaming `num_tokens` tokens to clients (shared host only)."""
-        if self.host is not None and self.profile.background_cpu_per_token_s > 0 and num_tokens:
-            self.client_thread.run(num_tokens * self.profile.background_cpu_per_token_s, _nothing)
+    def deliver(self, num_tokens: int, fn: Callable = _nothing, *args) -> None:
+        """`num_tokens` tokens that reached the router go on to the client; `fn(*args)` once the
+        client has read them (on a shared host: after the router's and the client's turns)."""
+        if self.host is None:
+            fn(*args)
+            return
+        p = self.profile
+
+        def read() -> None:
+            self.compute(num_tokens * p.client_cpu_per_token_s, fn, *args, thread=self.client_thread)
+
+        self.compute(num_tokens * p.router_relay_cpu_per_token_s, read, thread=self.router_thread)
+
+    def threads(self) -> dict[str, Thread]:
+        """Every process on the shared host, by name (empty without one)."""
+        if self.host is None:
+            return {}
+        return {"router": self.router_thread, "client": self.client_thread,
+                **{w.info.worker_id: w.thread for w in self.workers}}
 
     def _routed(self, req: SimRequest) -> None:
         req.hashes = self.hasher(req.prompt)
@@ -338,22 +359,22 @@ class Cluster:
         def prefilled(r: SimRequest, cached_tokens: int) -> None:
             p.info.inflight -= 1
             p.info.inflight_tokens -= uncached
-            now = self.clock.now
-            learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, now + hop - sent)
+            learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, self.clock.now + hop - sent)
             r.num_cached_tokens = cached_tokens
-            self.relay(1)
-            r.first_token_at = now + hop
-            r.token_times.append(now)
+            r.token_times.append(self.clock.now)
+            self.compute(hop, first_token, r, thread=self.router_thread)  # the router reads the answer
+
+        def first_token(r: SimRequest) -> None:
+            r.first_token_at = self.clock.now
             if len(r.answer) <= 1:
                 d.info.inflight -= 1
-                r.done_at = r.first_token_at
-                if r.on_done:
-                    self.clock.at(r.done_at, r.on_done, r)
+                self.deliver(1, d._done, r)
                 return
+            self.deliver(1)
             missing = len(r.hashes) - d.cached_blocks(r.hashes) + (len(r.prompt) % self.profile.block_size > 0)
             t = self.profile.transfer_s(missing)
             learn_bandwidth(d.info, {"transfer_bytes": missing * self.profile.block_bytes, "transfer_s": t})
             # The decode call, then the pull (waiting on the link, not the CPU).
-            self.compute(2 * hop, self.clock.after, t, d.join, r, thread=self.router_thread)
+            self.compute(hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 
         self.compute(hop, p.submit_prefill, req, prefilled, thread=self.router_thread)

@@ -31,6 +31,18 @@ def multi_turn(num_sessions: int, turns: int = 4, seed: int = 0, system_tokens: 
             for _ in range(num_sessions)]
 
 
+def from_chat(text_sessions, tokenizer) -> list[SimSession]:
+    """`loadgen.workload` chat sessions as the token ids the router sends (system and user
+    messages through the model's chat template), for replaying a real run."""
+    sessions = []
+    for s in text_sessions:
+        system = tokenizer.encode_chat([{"role": "system", "content": s.system}], add_generation_prompt=False)
+        turns = [(tokenizer.encode_chat([{"role": "user", "content": t.user}], add_generation_prompt=True),
+                  t.max_tokens) for t in s.turns]
+        sessions.append(SimSession(system, turns))
+    return sessions
+
+
 class Driver:
     """Plays sessions: turn k's prompt is the system prompt plus every earlier turn's user tokens
     and answer, plus turn k's user tokens (what a chat client sends)."""

@@ -3,6 +3,7 @@ report's arithmetic on hand-made records."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from loadgen import workload
 from loadgen.bench import run
 from loadgen.report import SLO, percentiles, summarize
-from loadgen.runner import RequestRecord
+from loadgen.runner import RequestRecord, RunConfig, Runner
 from tests.worker.cluster import ROOT, Router, Worker
 
 
@@ -67,6 +68,11 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
         assert s["itl_s"]["p50"] is not None and s["output_tokens_per_s"] > 0
         assert 0.2 < s["prefix_hit_ratio"] < 1  # later turns reuse earlier turns' blocks
         assert sum(s["route_plans"].values()) == 12
+        # Each record keeps the router's whole timing field (bench/sim_profile.py fits from it).
+        recs = asyncio.run(Runner(RunConfig(f"{r.url}/v1", "tiny-random", concurrency=1)).run(sessions[:1]))
+        assert [rec.timing["plan"] for rec in recs] == [rec.plan for rec in recs] and len(recs) == 4
+        assert all(rec.timing["first_token_s"] == rec.server_ttft_s > 0 for rec in recs)
+        assert all(rec.timing["num_cached_tokens"] >= 0 and rec.timing["total_s"] > 0 for rec in recs)
         assert json.loads((tmp_path / "out" / "mt.json").read_text())["ok"] == 12
         assert "| TTFT |" in (tmp_path / "out" / "mt.md").read_text()
         assert (tmp_path / "out" / "mt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency CDFs

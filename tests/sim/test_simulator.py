@@ -109,7 +109,7 @@ def test_one_machine_profile_slows_a_loaded_cluster_and_random_is_reproducible()
 
     sessions = multi_turn(30, turns=3, seed=2, system_tokens=200, user_tokens=20, answer_tokens=16)
     own = simulate(PROFILE, 2, 1, "random", sessions, concurrency=8)
-    shared = simulate(replace(PROFILE, host_cores=1, background_cpu_per_token_s=0.002), 2, 1, "random",
+    shared = simulate(replace(PROFILE, host_cores=1, client_cpu_per_token_s=0.002, router_relay_cpu_per_token_s=0.001), 2, 1, "random",
                       sessions, concurrency=8)
     assert shared["ttft_s"]["p50"] > own["ttft_s"]["p50"]
     assert simulate(PROFILE, 2, 1, "random", sessions, concurrency=8) == own  # seeded policy
@@ -127,11 +127,13 @@ def test_validate_compares_with_the_mean_of_real_repeats(tmp_path, monkeypatch):
         repeats[policy] = [{"hit_ratio": 0.4, "server_ttft_p50_s": 0.01},
                            {"hit_ratio": 0.6, "server_ttft_p50_s": 0.03}]
     (results / "policies.json").write_text(json.dumps({"sessions": 3, "turns": 2, "runs": runs,
-                                                       "repeats": repeats}))
+                                                       "repeats": repeats, "concurrency": 1}))
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps(PROFILE.to_json()))
     assert sim_main(["validate", "--profile-file", str(profile)]) == 0
-    out = json.loads((results / "sim_validate.json").read_text())["policies"]
+    saved = json.loads((results / "sim_validate.json").read_text())
+    assert saved["concurrency"] == 1  # replayed with as many sessions in flight as the real run
+    out = saved["policies"]
     for policy, cmp in out.items():
         hit, ttft = cmp["hit_ratio"], cmp["ttft_p50_s"]
         assert (hit["real"], hit["real_min"], hit["real_max"]) == pytest.approx((0.5, 0.4, 0.6)), policy
@@ -141,13 +143,15 @@ def test_validate_compares_with_the_mean_of_real_repeats(tmp_path, monkeypatch):
 
 def test_profile_fit_recovers_the_costs_it_was_measured_with():
     import sys
+    from dataclasses import replace
 
     from tests.worker.cluster import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from sim_profile import fit
+    from sim_profile import fit, simulated_cpu
 
     hop, fixed, rate, latency, bw, step = 0.0005, 0.004, 50_000.0, 0.0015, 5e8, 0.002
+    router_cpu, chat_fixed, local_fixed, chat_step = 0.0015, 0.006, 0.008, 0.003
     single = []
     for n in (16, 64, 128, 256, 512):
         num_bytes = -(-n // 4) * 2048
@@ -156,14 +160,101 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
                        "transfer_bytes": num_bytes, "transfer_s": latency + num_bytes / bw,
                        "decode_s": 7 * step})
     batch = [{"num_output": 32, "decode_s": 31 * (step + 3 * 0.0004)}] * 4
-    chat = {"requests": 10, "output_tokens": 80, "router_cpu_s": 10 * (0.001 + 3 * hop) + 0.04,
-            "client_cpu_s": 0.04, "decode_cpu_s": 70 * step}
-    p = fit({"rtt_s": [2 * hop] * 5, "single": single, "batch": batch, "chat": chat, "block_size": 4,
-             "num_blocks": 100, "host_cores": 2})
+    # Chat one at a time: disaggregated turns (a cached prefix makes the fixed part larger) and
+    # local ones (their first token from the decode worker).
+    seq = []
+    for n, cached in ((120, 0), (200, 100), (300, 180), (260, 240)):
+        leg = 2 * hop + chat_fixed + (n - cached) / rate
+        seq.append({"plan": "disagg", "num_prompt": n, "num_cached_tokens": cached, "num_output": 8,
+                    "prefill_s": leg, "first_token_s": router_cpu + leg, "decode_s": 7 * chat_step})
+        seq.append({"plan": "decode_local", "num_prompt": n, "num_cached_tokens": cached, "num_output": 8,
+                    "prefill_s": 0.0, "decode_s": 0.02,
+                    "first_token_s": router_cpu + 2 * hop + local_fixed + (n - cached) / rate})
+    sessions = multi_turn(4, turns=3, seed=3, system_tokens=40, user_tokens=10, answer_tokens=8)
+    num_tokens = sum(n for s in sessions for _, n in s.turns)
+    chat = {"requests": 12, "output_tokens": num_tokens, "router_cpu_s": 0.08, "prefill_cpu_s": 0.12,
+            "decode_cpu_s": 0.2, "client_cpu_s": 0.04,
+            "sessions": [[s.system, [[u, n] for u, n in s.turns]] for s in sessions]}
+    p = fit({"rtt_s": [2 * hop] * 5, "single": single, "batch": batch, "chat_sequential": seq, "chat": chat,
+             "block_size": 4, "num_blocks": 100, "host_cores": 2})
     assert p.router_hop_s == pytest.approx(hop)
-    assert p.prefill_tokens_per_s == pytest.approx(rate) and p.prefill_fixed_s == pytest.approx(fixed)
+    assert p.prefill_tokens_per_s == pytest.approx(rate) and p.prefill_fixed_s == pytest.approx(chat_fixed)
+    assert p.local_prefill_fixed_s == pytest.approx(local_fixed) and p.router_cpu_s == pytest.approx(router_cpu)
     assert p.link_latency_s == pytest.approx(latency) and p.link_bytes_per_s == pytest.approx(bw)
-    assert p.block_bytes == 2048 and p.router_cpu_s == pytest.approx(0.001)
-    assert p.decode_step_base_s == pytest.approx(step) and p.decode_step_per_seq_s == pytest.approx(0.0004)
-    assert p.background_cpu_per_token_s == pytest.approx(0.08 / 80) and p.worker_io_cpu_per_token_s == 0
+    assert p.block_bytes == 2048
+    assert p.decode_step_base_s == pytest.approx(chat_step) and p.decode_step_per_seq_s == pytest.approx(0.0004)
+    assert p.client_cpu_per_token_s == pytest.approx(0.04 / num_tokens)
     assert p.jitter == pytest.approx(0.0, abs=1e-9) and p.host_cores == 2
+    # The CPU the latencies miss is added until the same chat, simulated, costs each process
+    # what it was measured to; without it, every process would cost less.
+    got = simulated_cpu(p, sessions)
+    assert got == pytest.approx({"router": 0.08, "prefill": 0.12, "decode": 0.2}, rel=0.03)
+    assert p.router_relay_cpu_per_token_s > 0 and p.prefill_io_cpu_s > 0 and p.decode_io_cpu_s > 0
+    bare = simulated_cpu(replace(p, router_relay_cpu_per_token_s=0, prefill_io_cpu_s=0, decode_io_cpu_s=0), sessions)
+    assert all(bare[k] < 0.9 * got[k] for k in got), bare
+
+
+def test_local_prefill_costs_its_own_fixed_part():
+    from dataclasses import replace
+
+    profile = replace(PROFILE, local_prefill_fixed_s=0.05)
+    c = Cluster(profile, 0, 1, "kv_aware")  # no prefill worker: the decode worker prefills
+    req = SimRequest(0, list(range(320)), list(range(3)), arrival=0.0)
+    c.submit(req)
+    c.clock.run()
+    assert req.plan == "decode_local"
+    assert req.first_token_at == pytest.approx(2 * PROFILE.router_hop_s + 0.05 + 320 / PROFILE.prefill_tokens_per_s)
+
+
+def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_turn():
+    from dataclasses import replace
+
+    # Cores to spare: no sharing, so every cost is exact.
+    profile = replace(PROFILE, host_cores=64, router_cpu_s=0.004, router_relay_cpu_per_token_s=0.003,
+                      client_cpu_per_token_s=0.002, decode_io_cpu_s=0.03, prefill_io_cpu_s=0.02)
+    c = Cluster(profile, 1, 1, "round_robin")
+    req = SimRequest(0, list(range(320)), list(range(5)), arrival=0.0)
+    c.submit(req)
+    c.clock.run()
+    hop = PROFILE.router_hop_s
+    # The router's own work, then the prefill leg (its hops are the router's work too).
+    assert req.first_token_at == pytest.approx(0.004 + 2 * hop + PROFILE.prefill_s(320))
+    # The last token: a hop to the router, relayed, read by the client.
+    assert req.done_at - req.token_times[-1] == pytest.approx(hop + 0.003 + 0.002)
+    busy = {name: t.busy_s for name, t in c.threads().items()}
+    assert busy["prefill-0"] == pytest.approx(PROFILE.prefill_s(320) + 0.02)
+    assert busy["decode-0"] == pytest.approx(4 * PROFILE.decode_step_s(1) + 0.03)
+    assert busy["router"] == pytest.approx(0.004 + 3 * hop + 5 * 0.003)
+    assert busy["client"] == pytest.approx(5 * 0.002)
+
+
+def test_repeated_measurements_pool_into_one():
+    import sys
+
+    from tests.worker.cluster import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_profile import pool
+
+    def run(cpu: float, cores: float) -> dict:
+        return {"rtt_s": [cpu], "single": [{"x": cpu}], "batch": [], "chat_sequential": [{"y": cpu}],
+                "host_cores": cores, "block_size": 4,
+                "chat": {"requests": 12, "output_tokens": 90, "router_cpu_s": cpu, "wall_s": 1.0, "sessions": [1]}}
+
+    m = pool([run(0.1, 1.5), run(0.3, 1.7), run(0.2, 1.9)])
+    assert m["rtt_s"] == [0.1, 0.3, 0.2] and m["single"] == [{"x": 0.1}, {"x": 0.3}, {"x": 0.2}]
+    assert m["host_cores"] == 1.7 and m["block_size"] == 4
+    assert m["chat"]["router_cpu_s"] == pytest.approx(0.2) and m["chat"]["requests"] == 12
+    assert m["chat"]["sessions"] == [1]
+
+
+def test_host_capacity_is_at_most_the_core_count():
+    import sys
+
+    from tests.worker.cluster import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sim_profile import host_capacity
+
+    assert 0 < host_capacity(1, loops=200_000) <= 1.0
+    assert 0 < host_capacity(2, loops=200_000) <= 2.0
