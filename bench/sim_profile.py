@@ -112,6 +112,18 @@ def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path)
         # The served model's name: whatever the router lists.
         name = client.get("/v1/models").json()["data"][0]["id"]
 
+        def use_router(policy: str) -> None:
+            nonlocal router
+            router.close()
+            router = Router(folder, ns, cache_dir=work, policy=policy, block_size=block_size)
+            router.wait_workers(2)
+
+        def chat(sessions, concurrency: int) -> list:
+            records = asyncio.run(Runner(RunConfig(f"{router.url}/v1", name, concurrency=concurrency)).run(sessions))
+            if any(r.error for r in records):
+                raise RuntimeError(f"calibration requests failed: {[r.error for r in records if r.error]}")
+            return records
+
         def prompt(n: int) -> list[int]:
             return [rng.randrange(3, vocab) for _ in range(n)]
 
@@ -143,34 +155,26 @@ def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path)
         # Multi-turn chat as bench/policies.py sends it (other sessions), one request at a time:
         # the router's chat template and tokenizer, and prefills behind a cached prefix.
         # kv_aware: later turns prefill on the decode worker (the local plan), the rest disaggregated.
-        router.close()
-        router = Router(folder, ns, cache_dir=work, policy="kv_aware", block_size=block_size)
-        router.wait_workers(2)
-        records = asyncio.run(Runner(RunConfig(f"{router.url}/v1", name, concurrency=1)).run(
-            workload.multi_turn(16, turns=4, seed=2, system_words=30, user_words=8, max_tokens=8)))
-        if any(r.error for r in records):
-            raise RuntimeError(f"calibration requests failed: {[r.error for r in records if r.error]}")
+        use_router("kv_aware")
+        records = chat(workload.multi_turn(16, turns=4, seed=2, system_words=30, user_words=8, max_tokens=8), 1)
         chat_sequential = [{**r.timing, "num_prompt": r.prompt_tokens, "num_output": r.completion_tokens}
                            for r in records]
         # CPU per request of every process, this one (the load generator) included, over the
         # same kind of chat with CHAT_CONCURRENCY sessions in flight (other sessions: seed 1),
         # every request disaggregated.
-        router.close()
-        router = Router(folder, ns, cache_dir=work, policy="round_robin", block_size=block_size)
-        router.wait_workers(2)
+        use_router("round_robin")
         sessions = workload.multi_turn(16, turns=4, seed=1, system_words=30, user_words=8, max_tokens=8)
         pids = {"router": router.proc.pid, "prefill": workers[0].proc.pid, "decode": workers[1].proc.pid}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         # Not modelled, recorded: how long each process waited for a core, and how often it ran.
-        queued0 = {k: run_queue(pid) for k, pid in {**pids, "client": os.getpid()}.items()}
+        all_pids = {**pids, "client": os.getpid()}
+        queued0 = {k: run_queue(pid) for k, pid in all_pids.items()}
         self0, t0 = _own_cpu(), time.perf_counter()
         # The runner alone: `tandem bench`'s report (matplotlib) would count as load CPU.
-        records = asyncio.run(Runner(RunConfig(f"{router.url}/v1", name, concurrency=CHAT_CONCURRENCY)).run(sessions))
+        records = chat(sessions, CHAT_CONCURRENCY)
         wall = time.perf_counter() - t0
         client_cpu = _own_cpu() - self0
-        queued = {k: run_queue(pid) for k, pid in {**pids, "client": os.getpid()}.items()}
-        if any(r.error for r in records):
-            raise RuntimeError(f"calibration requests failed: {[r.error for r in records if r.error]}")
+        queued = {k: run_queue(pid) for k, pid in all_pids.items()}
         chat = {"requests": len(records), "wall_s": wall,
                 "output_tokens": sum(r.completion_tokens for r in records),
                 **{f"{k}_cpu_s": cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()},

@@ -27,9 +27,16 @@ class RequestRecord:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
-    plan: str | None = None
-    server_ttft_s: float | None = None  # the router's own first-token time (Tandem routers only)
     timing: dict | None = None  # the router's `tandem` field: plan, cached tokens, where the time went
+
+    @property
+    def plan(self) -> str | None:
+        return self.timing.get("plan") if self.timing else None
+
+    @property
+    def server_ttft_s(self) -> float | None:
+        """The router's own first-token time (Tandem routers only)."""
+        return self.timing.get("first_token_s") if self.timing else None
 
 
 @dataclass
@@ -122,8 +129,6 @@ class Runner:
                         rec.prompt_tokens = ev["usage"]["prompt_tokens"]
                     if ev.get("tandem"):
                         rec.timing = ev["tandem"]
-                        rec.plan = rec.timing.get("plan")
-                        rec.server_ttft_s = rec.timing.get("first_token_s")
                     for ch in ev.get("choices", []):
                         content = (ch.get("delta") or {}).get("content")
                         if content:

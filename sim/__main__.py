@@ -103,10 +103,10 @@ def cmd_validate(args) -> int:
                                         user_words=8, max_tokens=8)
     sessions = from_chat(text_sessions, tok)
     profile = load(args.profile_file) if args.profile_file else calibrated("tiny-cpu")
-    out = {"profile": profile.to_json(), "real": str(real_path), "concurrency": real.get("concurrency", 4),
-           "policies": {}}
+    concurrency = real.get("concurrency", 4)  # runs from before --concurrency had 4 in flight
+    out = {"profile": profile.to_json(), "real": str(real_path), "concurrency": concurrency, "policies": {}}
     for policy in POLICIES:
-        sim = simulate(profile, 2, 1, policy, sessions, concurrency=real.get("concurrency", 4))
+        sim = simulate(profile, 2, 1, policy, sessions, concurrency=concurrency)
         got = real["runs"][policy]
         # The router's own first-token time: the client's TTFT also waits for the first token
         # that has text, which tiny-random's byte tokens often lack (not a routing cost).

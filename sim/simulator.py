@@ -244,12 +244,11 @@ class SimWorker:
             (finished if len(r.token_times) >= len(r.answer) else still).append(r)
         for r in local:  # the step that prefilled it also sampled its first token
             self.c.index.record(self.info.worker_id, r.hashes)
+            r.first_token_at = now + self.p.router_hop_s
             r.token_times.append(now)
             (finished if len(r.answer) <= 1 else still).append(r)
         self.running = still
         hop = self.p.router_hop_s
-        for r in local:
-            r.first_token_at = now + hop
         for r in finished:
             # The decode side caches the whole sequence's full blocks: the next turn's prefix.
             self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
