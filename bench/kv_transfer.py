@@ -138,7 +138,7 @@ async def bench_transport(transport: str, sizes: list[int], num_blocks: int) -> 
     rng = np.random.default_rng(0)
     out: dict = {"sizes": {}}
     try:
-        peer = await connector.peer(None, sender.info["url"])
+        peer = await connector.peer(f"bench-{transport}-P", sender.info["url"])
         counter = 0
         points = []
         for n in sizes:

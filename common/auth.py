@@ -1,4 +1,4 @@
-"""Bearer-token checks shared by the internal worker endpoints."""
+"""Bearer-token checks shared by the router, the internal worker endpoints and the transports."""
 
 from __future__ import annotations
 
@@ -7,13 +7,26 @@ import hmac
 from fastapi import Header, HTTPException
 
 
+def secrets_equal(given: str, expected: str) -> bool:
+    """Constant-time comparison of two secrets of any characters (`hmac.compare_digest` raises
+    on non-ASCII str, which once turned a hostile header into a 500)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                               expected.encode("utf-8", "surrogateescape"))
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    return authorization[len("Bearer "):]
+
+
 def bearer_matches(authorization: str | None, token: str | None) -> bool:
     """True when no token is configured, or the header carries exactly `Bearer <token>`."""
     if not token:
         return True
-    if not authorization or not authorization.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(authorization[len("Bearer "):], token)
+    given = bearer_token(authorization)
+    return given is not None and secrets_equal(given, token)
 
 
 def require_internal_token(token: str | None):

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,12 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--max-lease-seconds", type=float, default=120.0,
+                   help="the longest a /prefill caller may pin exported blocks for")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening beyond loopback without an internal token, and accept "
+                        "unsigned KV handles (never in production)")
+    p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
 
 
 def _given(kwargs_of, args: argparse.Namespace) -> dict:
@@ -122,20 +129,30 @@ def _worker_kwargs(args: argparse.Namespace) -> dict:
         transport_port=args.transport_port,
         lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_queue=args.max_queue,
+        max_queue=args.max_queue, insecure=args.insecure, max_lease_seconds=args.max_lease_seconds,
+        fault_injection=args.enable_fault_injection,
     )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from worker.app import create_app
+    from worker.app import InsecureConfig, create_app
     from worker.settings import WorkerSettings
 
     settings = WorkerSettings(**_given(_worker_kwargs, args))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=5)
-    return 0
+    try:
+        app = create_app(settings)
+    except InsecureConfig as e:
+        print(f"tandem {settings.role}: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    state = app.state.worker
+    state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    server.run()
+    # A worker whose engine died exits non-zero, so its supervisor starts a fresh one.
+    return state.exit_code or 0
 
 
 def _router_kwargs(args: argparse.Namespace) -> dict:
@@ -177,17 +194,20 @@ def _cluster(args: argparse.Namespace):
     return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
                    num_prefill=args.prefill, num_decode=args.decode,
                    redis_url=None if args.no_redis else args.redis_url, num_blocks=args.num_blocks,
-                   threads=args.threads)
+                   threads=args.threads, namespace=args.namespace,
+                   internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
+                   extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [])
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
+    # SIGTERM (kill, systemd, a container stop) stops the cluster like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         cluster.up()
         print("[tandem] press Ctrl-C to stop", flush=True)
-        while all(p.poll() is None for _, p in cluster.procs):
-            time.sleep(0.5)
-        print("[tandem] a process exited; shutting down", flush=True)
+        name = cluster.supervise()
+        print(f"[tandem] {name} exited; shutting down", flush=True)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -291,8 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
         p.add_argument("--no-redis", action="store_true", help="in-process index, static workers")
+        p.add_argument("--namespace", default="local", help="Redis key namespace of this cluster")
         p.add_argument("--num-blocks", type=int, default=None)
         p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
         if name == "demo":
             p.add_argument("--keep", action="store_true", help="keep the cluster running afterwards")
         p.set_defaults(func=func)

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

@@ -88,6 +88,12 @@ def _pack_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
+def hash_tokens(token_ids: Sequence[int]) -> int:
+    """xxh3_64 of a whole token sequence (uint32 LE): a cheap identity of a prompt, not a block
+    hash (signed KV handles carry it, so a handle can only fill the prompt it was issued for)."""
+    return xxhash.xxh3_64_intdigest(_pack_tokens(token_ids))
+
+
 def hash_member(block_hash: int) -> str:
     """A block hash as a Redis set member: the signed 64-bit decimal string (Redis stores
     integer-like strings compactly; the router and workers must use this same form)."""

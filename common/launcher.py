@@ -4,6 +4,8 @@ the router) with readable progress and a clean shutdown on Ctrl-C."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,14 +45,23 @@ class Cluster:
     num_blocks: int | None = None
     threads: int | None = None
     log_dir: Path = Path(".tandem-logs")
+    # The cluster's internal token (workers' internal API, /kv/metadata, KV handle signatures).
+    # None: a fresh random one per cluster, so the internal plane is never open by default.
+    internal_token: str | None = None
+    extra_worker_args: list[str] = field(default_factory=list)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "w")
+        log = open(self.log_dir / f"{name}.log", "a")
+        # The token goes by environment, not argv: argv is readable by every user (ps).
+        env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or ""}
         proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
+        self.specs[name] = args
         return proc
 
     def _redis(self) -> str | None:
@@ -78,9 +89,11 @@ class Cluster:
         return None
 
     def up(self) -> str:
+        if not self.internal_token:
+            self.internal_token = secrets.token_urlsafe(32)
         redis_url = self._redis()
         static: list[str] = []
-        common = ["--model", self.model, "--cache-dir", str(self.cache_dir)]
+        common = ["--model", self.model, "--cache-dir", str(self.cache_dir), *self.extra_worker_args]
         if self.num_blocks:
             common += ["--num-blocks", str(self.num_blocks)]
         if self.threads:
@@ -126,6 +139,33 @@ class Cluster:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"{name} was not ready within {timeout:.0f} s")
+
+    def supervise(self, poll_s: float = 0.5, max_backoff_s: float = 30.0,
+                  healthy_after_s: float = 60.0) -> str:
+        """Keep the cluster running until a process that cannot be restarted exits (the router,
+        Redis); returns its name. A worker that exits (a dead engine exits non-zero) is started
+        again on its own port, after a backoff that doubles with each quick failure."""
+        started = {name: time.monotonic() for name, _ in self.procs}
+        due: dict[str, float] = {}
+        while True:
+            now = time.monotonic()
+            for name, proc in list(self.procs):
+                if proc.poll() is None or name in due:
+                    continue
+                if name not in self.specs or not name.startswith(("prefill-", "decode-")):
+                    return name
+                if now - started.get(name, now) > healthy_after_s:
+                    self.restarts[name] = 0  # it had been up a while: a fresh failure
+                delay = min(max_backoff_s, 2 ** self.restarts.get(name, 0) - 1)
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                _say(f"{name} exited with {proc.returncode}; restarting in {delay:.0f} s")
+                due[name] = now + delay
+            for name, when in list(due.items()):
+                if now >= when:
+                    del due[name]
+                    self._spawn(name, self.specs[name])
+                    started[name] = time.monotonic()
+            time.sleep(poll_s)
 
     def down(self) -> None:
         for _, proc in reversed(self.procs):

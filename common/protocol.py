@@ -8,7 +8,30 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.bounds import (
+    BlockHashes,
+    BlockIds,
+    EngineId,
+    Host,
+    LeaseSeconds,
+    Logprobs,
+    MaxTokens,
+    MinP,
+    Penalty,
+    Port,
+    PromptTokenIds,
+    RequestId,
+    Seed,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    Timestamp,
+    TokenIds,
+    TopK,
+    TopP,
+)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -18,47 +41,45 @@ class SamplingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
-    max_tokens: int = Field(16, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK | None = None
+    min_p: MinP = 0.0
+    seed: Seed | None = None
+    max_tokens: MaxTokens = 16
+    stop: StopStrings = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logprobs: int | None = Field(None, ge=0, le=20)
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logprobs: Logprobs | None = None
 
 
 class KVTransferParams(BaseModel):
     """Where a request's KV blocks live and how to fetch them.
 
     The vLLM NixlConnector fields keep their names so vLLM-style routers can pass them through;
-    the rest are Tandem's. The router treats the whole object as opaque.
+    the rest are Tandem's. The router treats the whole object as opaque. A decode worker trusts
+    none of it until `kv_transfer.handle.verify` has checked `signature` (HMAC of the internal
+    token over the fields that say what to pull from where, see kv_transfer/handle.py).
     """
 
     model_config = ConfigDict(extra="allow")
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_engine_id: str | None = None
-    remote_block_ids: list[int] | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_request_id: str | None = None
-    block_hashes: list[int] | None = None
-    num_tokens: int | None = None
+    remote_engine_id: EngineId | None = None
+    remote_block_ids: BlockIds | None = None
+    remote_host: Host | None = None
+    remote_port: Port | None = None
+    remote_request_id: RequestId | None = None
+    block_hashes: BlockHashes | None = None
+    num_tokens: int | None = Field(None, ge=0, le=1 << 20)
+    prompt_hash: int | None = Field(None, ge=0, lt=2**64)
     layout: dict | None = None
-    lease_expires_at: float | None = None
+    lease_expires_at: Timestamp | None = None
+    expires_at: Timestamp | None = None
+    signature: str | None = Field(None, max_length=128)
 
 
 class TokenLogprob(BaseModel):
@@ -70,10 +91,10 @@ class TokenLogprob(BaseModel):
 class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    request_id: str = Field(min_length=1, max_length=256)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    request_id: RequestId
+    prompt_token_ids: PromptTokenIds
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
-    lease_seconds: float | None = Field(None, gt=0.0)
+    lease_seconds: LeaseSeconds | None = None  # each worker caps it at its --max-lease-seconds
 
 
 class PrefillResponse(BaseModel):
@@ -95,9 +116,9 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    request_id: str = Field(min_length=1, max_length=256)
-    prompt_token_ids: list[int] = Field(min_length=1)
-    output_token_ids: list[int] = Field(default_factory=list)
+    request_id: RequestId
+    prompt_token_ids: PromptTokenIds
+    output_token_ids: TokenIds = Field(default_factory=list)
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     kv_transfer_params: KVTransferParams | None = None
 

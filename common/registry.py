@@ -16,8 +16,11 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.background import BackgroundErrors
 from common.hashing import hash_member
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,50 @@ class RedisKeys:
     @property
     def worker_pattern(self) -> str:
         return f"{self.prefix}worker:*"
+
+
+_COUNT = Field(0, ge=0, le=1 << 40)
+
+
+class WorkerLoad(BaseModel):
+    """A worker's `load` field (JSON), as the router reads it: every count bounded."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    running: int = _COUNT
+    waiting: int = _COUNT
+    free_blocks: int = _COUNT
+    num_blocks: int = _COUNT
+    held: int = _COUNT
+    importing: int = _COUNT
+    prefill_inflight: int = _COUNT
+    waiting_tokens: int = _COUNT
+
+
+class WorkerRegistration(BaseModel):
+    """A `worker:{id}` hash as the router reads it. Redis is trusted for availability, not for
+    well-formedness: an entry that fails this model is skipped (and counted), never fatal."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["prefill", "decode", "colocated"]
+    url: str = Field(max_length=512, pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?$")
+    model: str = Field("", max_length=512)
+    block_size: int = Field(16, ge=1, le=1 << 16)
+    capacity: int = Field(0, ge=0, le=1 << 40)
+    max_model_len: int | None = Field(None, ge=1, le=1 << 40)
+    block_bytes: int | None = Field(None, ge=1, le=1 << 40)
+    load: WorkerLoad = Field(default_factory=WorkerLoad)
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerRegistration:
+        """Parse a raw HGETALL answer; raises ValueError (pydantic's or a decoding one)."""
+        info: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        info["load"] = WorkerLoad.model_validate_json(info.get("load") or "{}")
+        for key in ("max_model_len", "block_bytes"):
+            if info.get(key) in ("", "None"):
+                info.pop(key)
+        return cls.model_validate(info)
 
 
 @dataclass
@@ -69,6 +116,7 @@ class WorkerPublisher:
         ttl_s: float = 10.0,
         flush_interval_s: float = 0.02,
         max_pending: int = 100_000,
+        errors: BackgroundErrors | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -81,6 +129,7 @@ class WorkerPublisher:
         self.ttl_s = ttl_s
         self.flush_interval_s = flush_interval_s
         self.max_pending = max_pending
+        self.errors = errors or BackgroundErrors()
         self._pending: list[BlockEvent] = []
         self._lock = threading.Lock()
         self._resync = True
@@ -134,6 +183,7 @@ class WorkerPublisher:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - redis errors of every kind: retry
+                self.errors.record("redis_publisher", e)
                 if self.connected:
                     log.warning("redis: lost connection (%s); requests continue, index resyncs later", e)
                 self.connected = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -44,6 +45,15 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self._compiled: jinja2.Template | None = None
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """An upper bound on how many UTF-8 bytes of text one token covers, so a text of N bytes
+        has at least N / max_token_bytes tokens (a context-length check needs no tokenizing).
+        None when the tokenizer normalizes text first: text may then shrink and no bound holds."""
+        if self._tok.normalizer is not None:
+            return None
+        return max(len((self._tok.id_to_token(i) or "").encode()) for i in range(self.vocab_size)) or None
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.block_pool import KVEvent
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import DuplicateRequestId, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,17 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+    """`on_death(error)` runs on the event loop once, after the engine thread died of `error` and
+    every waiter (streams and pending calls) has been failed with `EngineDeadError`."""
+
+    def __init__(self, engine: LLMEngine, on_events: Callable[[list[KVEvent]], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self._on_events = on_events
+        self._on_death = on_death
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: set[asyncio.Future] = set()  # calls queued or running on the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -91,6 +97,12 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for q in self._streams.values():
             q.put_nowait(error)
+        # A call queued behind the fatal step would never run: fail it rather than hang.
+        for fut in list(self._calls):
+            _set_exception(fut, EngineDeadError(f"engine failed: {error}"))
+        self._calls.clear()
+        if self._on_death is not None:
+            self._on_death(error)
 
     # ---- calls --------------------------------------------------------------------------------
 
@@ -99,6 +111,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error}")
         fut = self._loop.create_future()
+        self._calls.add(fut)
+        fut.add_done_callback(self._calls.discard)
 
         def run() -> None:
             try:
@@ -117,7 +131,7 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         return q

@@ -130,6 +130,9 @@ class LLMEngine:
             raise ValueError(f"{len(out)} output tokens given already reach max_tokens={params.max_tokens}")
         if any(not (0 <= t < vocab) for t in prompt + out):
             raise ValueError(f"token ids must be in [0, {vocab})")
+        if params.top_k is not None and params.top_k > vocab:
+            raise ValueError(f"invalid sampling parameter top_k: must be at most the vocabulary "
+                             f"size {vocab}, got {params.top_k}")
         total = len(prompt) + len(out)
         if total >= self.max_model_len:
             raise ValueError(

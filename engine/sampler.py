@@ -83,7 +83,7 @@ class Sampler:
             return torch.softmax(logits, dim=-1)
         vocab = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
-        ks = torch.tensor([k or vocab for k in top_k], device=device)
+        ks = torch.tensor([min(k or vocab, vocab) for k in top_k], device=device)
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from common import bounds
 from common.protocol import SamplingOptions
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = bounds.MAX_LOGPROBS
 
 
 @dataclass
@@ -36,19 +38,28 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        # The same ranges as the wire models (common/bounds.py): whatever reaches the engine by
+        # any path is inside them, so no value can break a tensor op on the engine thread.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and math.isfinite(value), name,
+                   f"must be a finite number, got {value!r}")
+        _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
-            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+            self.top_k is None or (isinstance(self.top_k, int) and 1 <= self.top_k <= bounds.MAX_TOP_K),
             "top_k",
-            f"must be None or an integer >= 1, got {self.top_k}",
+            f"must be None or an integer in [1, {bounds.MAX_TOP_K}], got {self.top_k}",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= bounds.MAX_TOKENS,
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens}",
+            f"must be an integer in [1, {bounds.MAX_TOKENS}], got {self.max_tokens}",
         )
+        _check(self.seed is None or (isinstance(self.seed, int)
+                                     and bounds.INT64_MIN <= self.seed <= bounds.INT64_MAX),
+               "seed", f"must be a 64-bit signed integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
@@ -58,8 +69,8 @@ class SamplingParams:
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative integers")
+        _check(all(isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID for t in self.stop_token_ids),
+               "stop_token_ids", f"must be integers in [0, {bounds.MAX_TOKEN_ID}]")
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import httpx
 import torch
+from pydantic import ValidationError
 
+from common.background import BackgroundErrors
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
 from kv_transfer.metrics import TransferMetrics
@@ -28,6 +30,8 @@ from kv_transfer.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_METADATA_BYTES = 1 << 20
 
 
 class KVConnector:
@@ -43,16 +47,21 @@ class KVConnector:
         http: httpx.AsyncClient | None = None,
         watch_interval_s: float = 0.001,
         idle_interval_s: float = 0.05,
+        errors: BackgroundErrors | None = None,
+        handshake_timeout_s: float = 5.0,
+        max_lease_seconds: float | None = None,
     ) -> None:
         self.layout = layout
         self.config = config
         self.transport = get_transport_class(transport)(kv_cache, layout, config)
-        self.leases = LeaseTable(self._on_release, lease_seconds)
+        self.transport.errors = self.errors = errors or BackgroundErrors()
+        self.leases = LeaseTable(self._on_release, lease_seconds, max_seconds=max_lease_seconds)
         self.metrics = metrics
+        self.handshake_timeout_s = handshake_timeout_s
         self._release = release
         self._http = http
         self._own_http = http is None
-        self._peers: dict[str, PeerMetadata] = {}
+        self._peers: dict[str, tuple[str, PeerMetadata]] = {}  # engine id -> (url, metadata)
         self._watch_interval_s = watch_interval_s
         self._idle_interval_s = idle_interval_s
         self._watcher: asyncio.Task | None = None
@@ -116,12 +125,10 @@ class KVConnector:
 
     async def _watch(self) -> None:
         while True:
-            for request_id in self.transport.completed():
-                if self.leases.complete(request_id) and self.metrics:
-                    self.metrics.leases.labels("notified").inc()
-            for _ in self.leases.expire():
-                if self.metrics:
-                    self.metrics.leases.labels("expired").inc()
+            try:
+                self._watch_once()
+            except Exception as e:  # noqa: BLE001 - never die: this loop also drives NIXL progress
+                self.errors.record("kv_lease_watcher", e)
             # Polling drives the transport's progress (NIXL runs without its progress thread),
             # so poll fast while exports are out, and leave the idle wait as soon as one is
             # granted: a receiver's READ makes no progress until this side polls (waiting out
@@ -135,28 +142,57 @@ class KVConnector:
                 except TimeoutError:
                     pass
 
+    def _watch_once(self) -> None:
+        for request_id in self.transport.completed():
+            if self.leases.complete(request_id) and self.metrics:
+                self.metrics.leases.labels("notified").inc()
+        for _ in self.leases.expire():
+            if self.metrics:
+                self.metrics.leases.labels("expired").inc()
+
     # ---- receiving side -----------------------------------------------------------------------
 
-    async def peer(self, engine_id: str | None, url: str) -> PeerMetadata:
-        """The metadata of the worker at `url` (cached per engine id), layout checked."""
-        if engine_id is not None and engine_id in self._peers:
-            return self._peers[engine_id]
-        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+    async def peer(self, engine_id: str, url: str) -> PeerMetadata:
+        """The metadata of engine `engine_id` at `url`, layout checked. Both come from a verified
+        KV handle (kv_transfer/handle.py); the cache is keyed by that engine id and address,
+        never by what a peer claims to be, and the whole handshake has one deadline."""
+        cached = self._peers.get(engine_id)
+        if cached is not None and cached[0] == url:
+            return cached[1]
         try:
-            resp = await self._http.get(f"{url.rstrip('/')}/kv/metadata", headers=headers)
-        except httpx.HTTPError as e:
-            raise TransferError(f"could not reach {url} for KV metadata: {e}") from e
-        if resp.status_code != 200:
-            raise TransferError(f"KV metadata from {url}: HTTP {resp.status_code} {resp.text[:200]}")
-        peer = PeerMetadata.model_validate(resp.json())
+            peer = await asyncio.wait_for(self._fetch_metadata(url), self.handshake_timeout_s)
+        except TimeoutError as e:
+            raise TransferTimeout(f"KV metadata handshake with {url} took over "
+                                  f"{self.handshake_timeout_s} s") from e
         if peer.transport != self.transport.name:
             raise TransferError(f"peer {peer.engine_id} speaks {peer.transport!r}, "
                                 f"this worker {self.transport.name!r}")
         self.layout.check_compatible(peer.layout)
-        if engine_id is not None and peer.engine_id != engine_id:
+        if peer.engine_id != engine_id:
             raise TransferError(f"{url} is engine {peer.engine_id!r}, expected {engine_id!r}")
-        self._peers[peer.engine_id] = peer
+        if cached is not None:
+            self.forget_peer(engine_id)  # the engine moved: drop the old address's agent
+        self._peers[engine_id] = (url, peer)
         return peer
+
+    async def _fetch_metadata(self, url: str) -> PeerMetadata:
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        try:
+            async with self._http.stream("GET", f"{url.rstrip('/')}/kv/metadata",
+                                         headers=headers) as resp:
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_METADATA_BYTES:
+                        raise TransferError(f"KV metadata from {url} exceeds {MAX_METADATA_BYTES} bytes")
+        except httpx.HTTPError as e:
+            raise TransferError(f"could not reach {url} for KV metadata: {e}") from e
+        if resp.status_code != 200:
+            raise TransferError(f"KV metadata from {url}: HTTP {resp.status_code} {bytes(body[:200])!r}")
+        try:
+            return PeerMetadata.model_validate_json(bytes(body))
+        except ValidationError as e:
+            raise TransferError(f"invalid KV metadata from {url}: {e.errors()[0]['msg']}") from e
 
     def forget_peer(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)

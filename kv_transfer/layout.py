@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.bounds import INT32_MAX
 
 _COMPARED = ("model_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
 
@@ -26,13 +28,14 @@ class LayoutMismatch(ValueError):
 class KVLayout(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_id: str
-    dtype: str
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    num_blocks: int
+    # A peer's layout arrives over the network: every field is bounded before it is compared.
+    model_id: str = Field(max_length=512)
+    dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+    num_layers: int = Field(ge=1, le=4096)
+    block_size: int = Field(ge=1, le=1 << 16)
+    num_kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=1 << 16)
+    num_blocks: int = Field(ge=1, le=INT32_MAX)
     order: Literal["block_layer_kv_nhd"] = "block_layer_kv_nhd"
 
     @classmethod

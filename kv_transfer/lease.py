@@ -24,9 +24,13 @@ class LeaseTable:
         release: Callable[[str], None],
         default_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        max_seconds: float | None = None,
     ) -> None:
         if default_seconds <= 0:
             raise ValueError("lease length must be positive")
+        if max_seconds is not None and default_seconds > max_seconds:
+            raise ValueError(f"lease length {default_seconds} s exceeds the cap of {max_seconds} s")
+        self.max_seconds = max_seconds
         self._release = release
         self.default_seconds = default_seconds
         self._clock = clock
@@ -46,8 +50,11 @@ class LeaseTable:
         if request_id in self._leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
         seconds = self.default_seconds if seconds is None else seconds
-        if seconds <= 0:
-            raise ValueError("lease length must be positive")
+        if not 0 < seconds < float("inf"):
+            raise ValueError("lease length must be positive and finite")
+        if self.max_seconds is not None and seconds > self.max_seconds:
+            # Pinned blocks are capacity taken from everyone else: no caller pins them for long.
+            raise ValueError(f"lease of {seconds} s exceeds this worker's cap of {self.max_seconds} s")
         self._leases[request_id] = Lease(request_id, list(block_ids), self._clock() + seconds)
         self.num_granted += 1
         return time.time() + seconds

@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import ctypes
 import importlib
 import logging
+import os
 import re
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, Field, ValidationError
 
+from common.background import BackgroundErrors
 from kv_transfer.descriptors import coalesce, descriptor_arrays
 from kv_transfer.layout import KVLayout
+from kv_transfer.netdev import ucx_net_devices
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -29,6 +35,15 @@ log = logging.getLogger(__name__)
 
 _MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _NOTIF_PREFIX = b"tandem:done:"
+
+
+class NixlParams(BaseModel):
+    """A NIXL peer's `params` in its metadata document, validated before any is used."""
+
+    agent_metadata: str = Field(max_length=1 << 20)
+    base_address: int = Field(ge=0, lt=2**64)
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: int = Field(0, ge=0, le=1024)
 
 
 def _import_nixl():
@@ -76,11 +91,18 @@ class NixlTransport:
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
+        self.errors = BackgroundErrors()  # the connector hands its own in (one registry)
 
     async def start(self) -> None:
         nixl = _import_nixl()
         if nixl is None:
             raise TransferError("NIXL is not installed (pip install nixl-cu12)")
+        # UCX's TCP transport listens on every interface it may use: keep it to the worker's own
+        # address (and RDMA ports), unless the operator chose the devices already.
+        devices = ucx_net_devices(self.config.advertise_host or self.config.listen_host)
+        if devices and "UCX_NET_DEVICES" not in os.environ:
+            os.environ["UCX_NET_DEVICES"] = devices
+            log.info("nixl: UCX limited to %s", devices)
         # No progress thread: NIXL's spins a core at 100% even when idle. Progress is made by our
         # own polling instead (the receiver while a pull runs, the sender's lease watcher while
         # it has exports out).
@@ -128,12 +150,26 @@ class NixlTransport:
         # NIXL refuses addresses outside the registered region.
         pass
 
+    @staticmethod
+    def _params(peer: PeerMetadata) -> NixlParams:
+        try:
+            return NixlParams.model_validate(peer.params)
+        except ValidationError as e:
+            raise TransferError(f"invalid NIXL metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
+
     def _agent_for(self, peer: PeerMetadata) -> str:
         name = self._peers.get(peer.engine_id)
         if name is None:
-            md = base64.b64decode(peer.params["agent_metadata"])
+            try:
+                md = base64.b64decode(self._params(peer).agent_metadata, validate=True)
+            except binascii.Error as e:
+                raise TransferError(f"invalid NIXL agent metadata from {peer.engine_id}") from e
             loaded = self._agent.add_remote_agent(md)
             name = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if name != peer.engine_id:
+                # The agent inside must be the engine the verified handle named.
+                self._agent.remove_remote_agent(name)
+                raise TransferError(f"peer {peer.engine_id} sent the NIXL agent of {name!r}")
             self._peers[peer.engine_id] = name
         return name
 
@@ -151,16 +187,15 @@ class NixlTransport:
     ) -> PullStats:
         assert self._agent is not None, "start() first"
         t0 = time.perf_counter()
+        params = self._params(peer)
         runs = coalesce(remote_block_ids, local_block_ids)
-        src, dst = descriptor_arrays(
-            self.layout, int(peer.params["base_address"]), self.kv_cache.data_ptr(), runs,
-            int(peer.params.get("device_id", 0)), self._device_id,
-        )
-        agent_name = self._agent_for(peer)
+        src, dst = descriptor_arrays(self.layout, params.base_address, self.kv_cache.data_ptr(),
+                                     runs, params.device_id, self._device_id)
         notif = _NOTIF_PREFIX + request_id.encode()
         handle = None
         try:
-            remote = self._agent.get_xfer_descs(src, peer.params["mem_type"])
+            agent_name = self._agent_for(peer)
+            remote = self._agent.get_xfer_descs(src, params.mem_type)
             local = self._agent.get_xfer_descs(dst, self._mem_type)
             handle = self._agent.initialize_xfer("READ", local, remote, agent_name, notif)
             state = self._agent.transfer(handle)
@@ -218,6 +253,15 @@ class NixlTransport:
         done: list[str] = []
         for messages in self._agent.get_new_notifs().values():
             for msg in messages:
-                if msg.startswith(_NOTIF_PREFIX):
-                    done.append(msg[len(_NOTIF_PREFIX):].decode())
+                # Any peer that loaded our metadata can send anything: one bad message is
+                # skipped (and counted), never the end of the lease watcher.
+                if not msg.startswith(_NOTIF_PREFIX):
+                    self.errors.record("kv_notifications", f"unknown notification {msg[:64]!r}")
+                    continue
+                try:
+                    request_id = msg[len(_NOTIF_PREFIX):].decode("ascii")
+                except UnicodeDecodeError:
+                    self.errors.record("kv_notifications", f"undecodable notification {msg[:64]!r}")
+                    continue
+                done.append(request_id)
         return done

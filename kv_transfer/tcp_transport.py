@@ -17,16 +17,20 @@ asked-for blocks are the ones leased to that request id.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import struct
 import time
+from typing import Literal
 
 import numpy as np
 import torch
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from common.auth import secrets_equal
+from common.background import BackgroundErrors
+from common.bounds import BlockIds, Host, Port, RequestId
 from kv_transfer import kernels
 from kv_transfer.layout import KVLayout
 from kv_transfer.transport import (
@@ -41,7 +45,52 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
 _CHECKSUM = struct.Struct("<Q")
-_MAX_HEADER = 1 << 20
+_MAX_HEADER = 16 << 20  # a pull of the largest BlockIds list fits
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 1 << 12, 1 << 28
+
+
+# Every header is validated against its schema: a peer's JSON is never indexed blindly.
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PullHeader(_Strict):
+    op: Literal["pull"]
+    request_id: RequestId
+    block_ids: BlockIds = Field(min_length=1)
+    token: str = Field("", max_length=4096)
+    fp8: bool = False
+
+
+class NotifyHeader(_Strict):
+    op: Literal["notify"]
+    request_id: RequestId
+    token: str = Field("", max_length=4096)
+
+
+class DoneHeader(_Strict):
+    op: Literal["done"]
+    request_id: RequestId
+
+
+class Accepted(_Strict):
+    ok: Literal[True]
+    num_bytes: int = Field(ge=0, le=1 << 40)
+    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
+
+
+class Refused(_Strict):
+    ok: Literal[False]
+    error: str = Field(max_length=4096)
+
+
+class TcpParams(BaseModel):
+    host: Host
+    port: Port
+
+
+_REQUEST = TypeAdapter(PullHeader | NotifyHeader)
+_ANSWER = TypeAdapter(Accepted | Refused)
 
 
 async def _write_header(writer: asyncio.StreamWriter, obj: dict) -> None:
@@ -50,11 +99,20 @@ async def _write_header(writer: asyncio.StreamWriter, obj: dict) -> None:
     await writer.drain()
 
 
-async def _read_header(reader: asyncio.StreamReader) -> dict:
+async def _read_header(reader: asyncio.StreamReader, schema):
+    """The next header, validated by `schema` (a model or TypeAdapter); TransferError if it is
+    too large, not JSON, or not of the schema."""
     (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     if n > _MAX_HEADER:
         raise TransferError(f"header of {n} bytes is too large")
-    return json.loads(await reader.readexactly(n))
+    raw = await reader.readexactly(n)
+    try:
+        if isinstance(schema, TypeAdapter):
+            return schema.validate_json(raw)
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise TransferError(f"invalid header: {'.'.join(map(str, first['loc']))}: {first['msg']}") from e
 
 
 class TcpTransport:
@@ -69,6 +127,7 @@ class TcpTransport:
         self._done: list[str] = []
         self._check = None
         self._handlers: set[asyncio.Task] = set()
+        self.errors = BackgroundErrors()  # the connector hands its own in (one registry)
 
     @property
     def label(self) -> str:
@@ -113,18 +172,24 @@ class TcpTransport:
         task = asyncio.current_task()
         self._handlers.add(task)
         try:
-            req = await _read_header(reader)
-            if req.get("op") == "notify":
-                if self._token_ok(req) and self._check_lease(str(req.get("request_id"))):
-                    self._done.append(str(req["request_id"]))
+            try:
+                # A peer that trickles its header holds a connection, not a request: one deadline.
+                req = await asyncio.wait_for(_read_header(reader, _REQUEST),
+                                             self.config.handshake_timeout_s)
+            except TransferError as e:
+                await _write_header(writer, {"ok": False, "error": str(e)})
+                raise
+            if isinstance(req, NotifyHeader):
+                if self._token_ok(req.token) and self._check_lease(req.request_id):
+                    self._done.append(req.request_id)
                 return
             error = self._refusal(req)
             if error:
                 await _write_header(writer, {"ok": False, "error": error})
                 return
-            block_ids = [int(b) for b in req["block_ids"]]
+            block_ids = req.block_ids
             staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
-            if req.get("fp8"):
+            if req.fp8:
                 q, scales = kernels.fp8_pack(staging)  # q: uint8 like staging; scales [n, L, 2]
                 payload = np.concatenate([q.reshape(-1).cpu().numpy(),
                                           scales.reshape(-1).cpu().numpy().view(np.uint8)])
@@ -138,18 +203,20 @@ class TcpTransport:
                 writer.write(_CHECKSUM.pack(xxhash.xxh3_64_intdigest(piece)))
                 writer.write(piece)
                 await writer.drain()
-            done = await _read_header(reader)
-            if done.get("op") == "done" and done.get("request_id") == req["request_id"]:
-                self._done.append(req["request_id"])
-        except (asyncio.IncompleteReadError, ConnectionError, json.JSONDecodeError, TransferError) as e:
+            done = await _read_header(reader, DoneHeader)
+            if done.request_id == req.request_id:
+                self._done.append(req.request_id)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, TransferError) as e:
             log.info("tcp transport: peer connection ended early: %s", e)
+        except Exception as e:  # noqa: BLE001 - one peer's connection never takes the server down
+            self.errors.record("tcp_transport_server", e)
         finally:
             self._handlers.discard(task)
             writer.close()
 
-    def _token_ok(self, req: dict) -> bool:
+    def _token_ok(self, given: str) -> bool:
         token = self.config.token
-        return not token or hmac.compare_digest(str(req.get("token", "")), token)
+        return not token or secrets_equal(given, token)
 
     def _check_lease(self, request_id: str) -> bool:
         if self._check is None:
@@ -160,29 +227,32 @@ class TcpTransport:
             return False
         return True
 
-    def _refusal(self, req: dict) -> str | None:
-        if req.get("op") != "pull":
-            return "expected a pull request"
-        if not self._token_ok(req):
+    def _refusal(self, req: PullHeader) -> str | None:
+        if not self._token_ok(req.token):
             return "invalid internal token"
-        block_ids = req.get("block_ids")
-        if not isinstance(block_ids, list) or not block_ids:
-            return "block_ids must be a non-empty list"
         try:
-            self.layout.check_block_ids(block_ids, "requested")
+            self.layout.check_block_ids(req.block_ids, "requested")
             if self._check is not None:
-                self._check(str(req.get("request_id")), block_ids)
+                self._check(req.request_id, req.block_ids)
         except (ValueError, PermissionError) as e:
             return str(e)
         return None
 
     # ---- receiver ---------------------------------------------------------------------------
 
-    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+    @staticmethod
+    def _address(peer: PeerMetadata) -> tuple[str, int]:
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(peer.params["host"], int(peer.params["port"])),
-                self.config.pull_timeout_s)
+            params = TcpParams.model_validate(peer.params)
+        except ValidationError as e:
+            raise TransferError(f"invalid tcp metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
+        return params.host, params.port
+
+    async def notify(self, peer: PeerMetadata, request_id: str) -> None:
+        host, port = self._address(peer)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               self.config.pull_timeout_s)
             await _write_header(writer, {"op": "notify", "request_id": request_id,
                                          "token": self.config.token or ""})
             writer.close()
@@ -210,15 +280,15 @@ class TcpTransport:
 
     async def _pull(self, peer, request_id, remote_block_ids, local_block_ids) -> PullStats:
         t0 = time.perf_counter()
-        reader, writer = await asyncio.open_connection(peer.params["host"], int(peer.params["port"]))
+        reader, writer = await asyncio.open_connection(*self._address(peer))
         try:
             fp8 = self.config.fp8
             await _write_header(writer, {"op": "pull", "request_id": request_id,
                                          "block_ids": list(remote_block_ids),
                                          "token": self.config.token or "", "fp8": fp8})
-            resp = await _read_header(reader)
-            if not resp.get("ok"):
-                raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.get('error')}")
+            resp = await _read_header(reader, _ANSWER)
+            if isinstance(resp, Refused):
+                raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.error}")
             n = len(remote_block_ids)
             lay = self.layout
             shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
@@ -230,9 +300,12 @@ class TcpTransport:
                 expected = n * lay.bytes_per_block
                 staging = torch.empty(shape, dtype=self.kv_cache.dtype)
                 buf = staging.view(torch.uint8).reshape(-1).numpy()
-            if resp["num_bytes"] != expected:
-                raise TransferError(f"peer sent {resp['num_bytes']} bytes, expected {expected}")
-            chunk = int(resp["chunk_bytes"])
+            # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped
+            # the read loop and scattered uninitialised staging memory into the cache).
+            if resp.num_bytes != expected:
+                raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
+            chunk = resp.chunk_bytes
+            received = 0
             for start in range(0, expected, chunk):
                 (want,) = _CHECKSUM.unpack(await reader.readexactly(_CHECKSUM.size))
                 size = min(chunk, expected - start)
@@ -240,6 +313,9 @@ class TcpTransport:
                 if xxhash.xxh3_64_intdigest(data) != want:
                     raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
                 buf[start : start + size] = np.frombuffer(data, dtype=np.uint8)
+                received += size
+            if received != expected:
+                raise TransferError(f"received {received} of {expected} bytes")
             if fp8:
                 num_q = expected - num_runs * 4
                 q = torch.from_numpy(buf[:num_q]).reshape(shape).to(self.kv_cache.device)

@@ -9,11 +9,12 @@ the sending side learns of those completions from `completed()`. Implementations
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
+from common.bounds import EngineId
 from kv_transfer.layout import KVLayout
 
 
@@ -28,10 +29,12 @@ class TransferTimeout(TransferError):
 class PeerMetadata(BaseModel):
     """What a worker serves at `GET /kv/metadata`: enough for a peer to pull from it."""
 
-    engine_id: str
-    transport: str
+    model_config = ConfigDict(extra="forbid")
+
+    engine_id: EngineId
+    transport: Literal["nixl", "tcp"]
     layout: KVLayout
-    params: dict[str, Any]
+    params: dict[str, Any]  # each transport validates its own (e.g. nixl_transport.NixlParams)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class TransportConfig:
     chunk_bytes: int = 16 << 20
     fp8: bool = False  # tcp: send blocks as e4m3 + per-run scales (lossy, about half the bytes)
     ucx_proto_log: str | None = None  # a UCX_LOG_FILE written with UCX_PROTO_INFO=y, if any
+    handshake_timeout_s: float = 5.0  # tcp: a peer's whole request header must arrive within it
 
 
 @dataclass

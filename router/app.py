@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.background import BackgroundErrors
+from common.body_limit import BodyLimit
 from common.errors import APIError, install_error_handlers
 from common.hashing import BlockHasher
 from common.protocol import SamplingOptions
@@ -29,7 +31,6 @@ from common.streams import prepend
 from common.tokenizer import ChatTemplateError, Tokenizer
 from router.admission import Admission
 from router.backends import BACKENDS, RequestRejected, Timeouts, WorkerFailure
-from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher, Trace
 from router.front import FrontedAPI
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
@@ -39,10 +40,12 @@ from router.openai_format import (
     body_schema,
     chat_logprobs,
     completion_logprobs,
+    correlation_id,
     cut_stops,
     parse_body,
     requested_max_tokens,
     sse_data,
+    text_chars,
     timing_field,
     wants_logprobs,
 )
@@ -57,12 +60,14 @@ log = logging.getLogger(__name__)
 def create_app(settings: RouterSettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
+    errors = BackgroundErrors(registry)
     tokenizer = Tokenizer(settings.tokenizer_folder)
     vocab_size = tokenizer.vocab_size
+    max_token_bytes = tokenizer.max_token_bytes
     hasher = BlockHasher(settings.model, settings.block_size, settings.hash_salt)
     keys = RedisKeys(settings.namespace)
     directory = WorkerDirectory(keys, settings.workers, settings.breaker_failures,
-                                settings.breaker_cooldown_s, settings.redis_restart_grace_s)
+                                settings.breaker_cooldown_s, settings.redis_restart_grace_s, errors)
     policy = make_policy(settings.policy, settings)
     auth = KeyAuth(load_keys(settings.api_keys, settings.api_keys_file))
     admission = Admission(settings.max_running, settings.max_queued)
@@ -81,13 +86,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
                     for name, cls in BACKENDS.items()}
         state["dispatch"] = Dispatcher(backends, directory, settings.max_prefill_retries,
                                        settings.retry_backoff_s)
-        tasks = []
-        if any(w.static for w in directory.workers.values()):
-            def probe(w):
-                return backends[w.backend].probe(w)
+        def probe(w):
+            return backends[w.backend].probe(w)
 
-            await directory.probe_static(probe)
-            tasks.append(asyncio.create_task(directory.run_probes(probe, settings.probe_interval_s)))
+        await directory.probe_all(probe)
+        # Every worker is health-checked, Redis-discovered ones too (a heartbeat is not readiness).
+        tasks = [asyncio.create_task(directory.run_probes(probe, settings.probe_interval_s))]
         if settings.redis_url:
             import redis.asyncio as aioredis
 
@@ -162,42 +166,52 @@ def create_app(settings: RouterSettings) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request") from e
 
-    def prompt_ids(body) -> list[int]:
+    def encode(body) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                return tokenizer.encode_chat(body.messages)
+            except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
+                raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
+        p = body.prompt
+        if isinstance(p, str):
+            return tokenizer.encode(p)
+        if p and isinstance(p[0], int):
+            return list(p)
+        if len(p) == 1:
+            return tokenizer.encode(p[0]) if isinstance(p[0], str) else list(p[0])
+        raise APIError(400, "send one prompt per request", "invalid_prompt", "prompt")
+
+    async def prompt_ids(body) -> list[int]:
         if body.model != settings.model:
             raise APIError(404, f"model {body.model!r} does not exist; this router serves {settings.model!r}",
                            "model_not_found", "model")
-        if isinstance(body, ChatCompletionRequest):
-            try:
-                ids = tokenizer.encode_chat(body.messages)
-            except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
-                raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
-        else:
-            p = body.prompt
-            if isinstance(p, str):
-                ids = tokenizer.encode(p)
-            elif p and isinstance(p[0], int):
-                ids = list(p)
-            elif len(p) == 1:
-                ids = tokenizer.encode(p[0]) if isinstance(p[0], str) else list(p[0])
-            else:
-                raise APIError(400, "send one prompt per request", "invalid_prompt", "prompt")
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        limit = directory.max_model_len(settings.max_model_len_default)
+        max_tokens = requested_max_tokens(body) or 0
+        chars = text_chars(body)
+        # Cheap checks first: a text longer than `limit` tokens could ever cover is refused
+        # before any tokenizing, and a large one is tokenized off the event loop, so a few
+        # multi-megabyte bodies cannot stall every other request (and /health).
+        if max_token_bytes and chars > max_token_bytes * limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"request's {chars} characters of text are longer than that",
+                           "context_length_exceeded", param)
+        ids = await asyncio.to_thread(encode, body) if chars > settings.offload_chars else encode(body)
         if not ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
         if min(ids) < 0 or max(ids) >= vocab_size:  # also keeps them hashable as uint32
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "invalid_prompt", "prompt")
-        limit = directory.max_model_len(settings.max_model_len_default)
-        max_tokens = requested_max_tokens(body) or 0
         if len(ids) + max(max_tokens, 1) > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
                            f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
-                           "context_length_exceeded", "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+                           "context_length_exceeded", param)
         return ids
 
-    async def run_one(body, prompt: list[int], idx: int, rid: str):
+    async def run_one(body, prompt: list[int], idx: int, rid: str, client_rid: str | None):
         """Yields (token_ids, finish_reason, trace) as they come; applies stop strings on text."""
         opts = sampling(body, idx)
         plan = await route(prompt)
-        trace = Trace(plan.kind)
+        trace = Trace(plan.kind, client_request_id=client_rid)
         dispatch: Dispatcher = state["dispatch"]
         try:
             async with aclosing(dispatch.run(plan, rid, prompt, opts, trace)) as events:
@@ -210,12 +224,15 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
                            headers={"Retry-After": "1"}) from e
 
-    async def complete(body, chat: bool, request_id: str | None, api_key: str | None):
+    async def complete(body, chat: bool, client_rid: str | None, api_key: str | None):
         t_start = time.perf_counter()
-        prompt = prompt_ids(body)
+        prompt = await prompt_ids(body)
         max_tokens = requested_max_tokens(body) or settings.max_tokens_default
-        await state["limiter"].admit(api_key, (len(prompt) + max_tokens) * body.n)
-        rid = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
+        await state["limiter"].charge(api_key, (len(prompt) + max_tokens) * body.n)
+        # The router names every request itself: a client's X-Request-Id is only a correlation
+        # id (logs, the `tandem` field). Reused client ids once collided on the workers (500s,
+        # an open circuit breaker, 503 for everyone).
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
         metrics.prompt_tokens.inc(len(prompt) * body.n)
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -224,7 +241,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         slot = admission.slot(body.priority)
         await slot.__aenter__()  # held until the response ends (the stream's end, if streaming)
         if body.stream:
-            gen = run_one(body, prompt, 0, rid)
+            gen = run_one(body, prompt, 0, rid, client_rid)
             try:
                 first = await anext(gen)
             except StopAsyncIteration:
@@ -236,10 +253,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
                                      media_type="text/event-stream")
         try:
             if body.n == 1:  # no task per choice for the common case
-                results = [await _collect(run_one(body, prompt, 0, rid), body, t_start)]
+                results = [await _collect(run_one(body, prompt, 0, rid, client_rid), body, t_start)]
             else:
                 results = await asyncio.gather(*[
-                    _collect(run_one(body, prompt, i, f"{rid}-{i}"), body, t_start) for i in range(body.n)])
+                    _collect(run_one(body, prompt, i, f"{rid}-{i}", client_rid), body, t_start)
+                    for i in range(body.n)])
         finally:
             await slot.__aexit__(None, None, None)
         choices = []
@@ -377,8 +395,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def serve(chat: bool, headers, raw: bytes) -> Response:
         api_key = auth.check(headers.get("authorization"))  # 401 before any 400
+        await state["limiter"].admit(api_key)  # 429 before any parsing or tokenizing
         body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-        return await complete(body, chat, headers.get("x-request-id"), api_key)
+        return await complete(body, chat, correlation_id(headers.get("x-request-id")), api_key)
 
     # Served by FrontedAPI.serve_directly (router/front.py) below; declared here for the OpenAPI schema.
     # The body is validated by `parse_body` rather than FastAPI's dependency layer: the same

@@ -142,7 +142,9 @@ class TandemBackend(_HTTPBackend):
             pass
 
     async def probe(self, w) -> dict:
-        await _get_json(self.http, w, "/health", self.headers)
+        # /ready, not /health: a worker that is up but cannot serve (engine failed, still
+        # starting, shutting down) answers 503 there and is taken out of routing at once.
+        await _get_json(self.http, w, "/ready", self.headers)
         return {}
 
 

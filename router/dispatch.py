@@ -23,6 +23,7 @@ class Trace:
     """What happened to one request, for metrics and the `tandem` response field."""
 
     plan: str
+    client_request_id: str | None = None  # the client's X-Request-Id, for correlation only
     prefill_worker: str | None = None
     decode_worker: str | None = None
     num_cached_tokens: int = 0

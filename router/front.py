@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
+from common.body_limit import too_large
 from common.errors import APIError, error_response
-from router.body_limit import too_large
 
 Handler = Callable[[Headers, bytes], Awaitable[Response]]
 

@@ -8,11 +8,11 @@ Redis fails mid-flight the request is let through (fail open) rather than refuse
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import time
 from pathlib import Path
 
+from common.auth import bearer_token, secrets_equal
 from common.errors import APIError
 from common.registry import RedisKeys
 
@@ -39,9 +39,9 @@ class KeyAuth:
         """The caller's key, or None when no keys are configured; 401 otherwise."""
         if not self.keys:
             return None
-        token = authorization[7:] if authorization and authorization.startswith("Bearer ") else ""
+        token = bearer_token(authorization) or ""
         for key in self.keys:
-            if hmac.compare_digest(token, key):
+            if secrets_equal(token, key):
                 return key
         raise APIError(401, "invalid or missing API key", "invalid_api_key")
 
@@ -52,37 +52,61 @@ class RateLimiter:
         self.prefix = keys.prefix + "rl:"
         self.rpm, self.tpm = rpm, tpm
         self._local: dict[str, list[int]] = {}
+        self._local_window: int | None = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.rpm or self.tpm)
 
-    async def admit(self, api_key: str | None, tokens: int) -> None:
+    async def admit(self, api_key: str | None) -> None:
+        """Count one request, before any work is done for it (tokenizing a large body costs
+        more than refusing it): 429 past the request limit, or when the token budget is spent."""
         if not self.enabled:
             return
+        counts = await self._add(api_key, 1, 0)
+        if counts is None:
+            return
+        requests, used = counts
+        if self.rpm and requests > self.rpm:
+            raise self._limited(f"rate limit of {self.rpm} requests per minute reached")
+        if self.tpm and used >= self.tpm:
+            raise self._limited(f"rate limit of {self.tpm} tokens per minute reached")
+
+    async def charge(self, api_key: str | None, tokens: int) -> None:
+        """Count the request's tokens (prompt + max_tokens), once they are known."""
+        if not self.tpm:
+            return
+        counts = await self._add(api_key, 0, tokens)
+        if counts is not None and counts[1] > self.tpm:
+            raise self._limited(f"rate limit of {self.tpm} tokens per minute reached")
+
+    @staticmethod
+    def _limited(message: str) -> APIError:
         now = time.time()
-        window = int(now // 60)
-        retry_after = str(max(1, int(60 - now % 60)))
+        return APIError(429, message, "rate_limit_exceeded",
+                        headers={"Retry-After": str(max(1, int(60 - now % 60)))})
+
+    async def _add(self, api_key: str | None, requests: int, tokens: int) -> tuple[int, int] | None:
+        """Add to this minute's counts of `api_key`; (requests, tokens) after, or None when the
+        limiter is unavailable (fail open: a limiter outage must not stop traffic)."""
+        window = int(time.time() // 60)
         who = hashlib.sha256((api_key or "anonymous").encode()).hexdigest()[:16]
         key = f"{self.prefix}{who}:{window}"
         try:
             if self.redis is not None:
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.hincrby(key, "requests", 1)
+                pipe.hincrby(key, "requests", requests)
                 pipe.hincrby(key, "tokens", tokens)
                 pipe.expire(key, 61)
-                requests, used, _ = await pipe.execute()
-            else:
-                counts = self._local.setdefault(key, [0, 0])
-                counts[0] += 1
-                counts[1] += tokens
-                requests, used = counts
-        except Exception as e:  # noqa: BLE001 - fail open: a limiter outage must not stop traffic
+                counted, used, _ = await pipe.execute()
+                return counted, used
+            if window != self._local_window:  # only this minute's counts are kept
+                self._local.clear()
+                self._local_window = window
+            counts = self._local.setdefault(key, [0, 0])
+            counts[0] += requests
+            counts[1] += tokens
+            return counts[0], counts[1]
+        except Exception as e:  # noqa: BLE001 - fail open
             log.warning("rate limiter unavailable (%s); admitting", e)
-            return
-        if self.rpm and requests > self.rpm:
-            raise APIError(429, f"rate limit of {self.rpm} requests per minute reached",
-                           "rate_limit_exceeded", headers={"Retry-After": retry_after})
-        if self.tpm and used > self.tpm:
-            raise APIError(429, f"rate limit of {self.tpm} tokens per minute reached",
-                           "rate_limit_exceeded", headers={"Retry-After": retry_after})
+            return None

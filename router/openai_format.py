@@ -52,6 +52,26 @@ def requested_max_tokens(body) -> int | None:
     return body.max_tokens
 
 
+def text_chars(body) -> int:
+    """Characters of text a body asks to tokenize (chat contents or string prompts)."""
+    if hasattr(body, "messages"):
+        return sum(len(m.get("content") or "") for m in body.messages
+                   if isinstance(m.get("content"), str))
+    p = body.prompt
+    if isinstance(p, str):
+        return len(p)
+    return sum(len(x) for x in p if isinstance(x, str))
+
+
+def correlation_id(value: str | None) -> str | None:
+    """A client's X-Request-Id as it may appear in logs and the `tandem` field: printable ASCII,
+    at most 128 characters (anything else is dropped, never echoed)."""
+    if not value:
+        return None
+    value = value[:128]
+    return value if value.isascii() and value.isprintable() else None
+
+
 def wants_logprobs(body, chat: bool) -> bool:
     # Chat asks with `logprobs: true`; completions with `logprobs: N` (0 included).
     return bool(body.logprobs) if chat else body.logprobs is not None
@@ -95,7 +115,7 @@ def timing_field(trace: Trace | None, t_start: float) -> dict:
     if trace is None:
         return {}
     wt = trace.worker_timing
-    return {"plan": trace.plan, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
+    return {"plan": trace.plan, "client_request_id": trace.client_request_id, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
             "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
             "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
             "transfer_bytes": wt.get("transfer_bytes", 0),

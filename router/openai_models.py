@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from common.bounds import (
+    MAX_STOP_CHARS,
+    MAX_TOP_K,
+    Finite,
+    Logprobs,
+    MaxTokens,
+    MinP,
+    Penalty,
+    Seed,
+    TokenId,
+    TopP,
+)
 
 MAX_N = 8
 
@@ -16,20 +29,21 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = None
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    model: str = Field(max_length=256)
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0), Finite] = 1.0
+    top_p: TopP = 1.0
+    # OpenAI-compatible servers take 0 or -1 for "off" (vLLM); anything else must be in range.
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
+    min_p: MinP = 0.0
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=512)
     ignore_eos: bool = False
     priority: Literal["interactive", "batch"] | None = None
 
@@ -37,8 +51,8 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be up to 4 non-empty strings")
+        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop must be up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("top_k")
@@ -49,9 +63,9 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Logprobs | None = None
 
     @field_validator("messages")
     @classmethod
@@ -68,6 +82,6 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False

@@ -51,6 +51,7 @@ class RouterSettings(BaseSettings):
     transfer_weight: float = 1.0
     transfer_fixed_s: float = 0.005  # second leg: HTTP call, handshake, notification
     max_body_bytes: int = 4 << 20
+    offload_chars: int = 16 << 10  # texts longer than this are tokenized off the event loop
     max_model_len_default: int = 8192
     local_prefill_interference: float = 0.05  # extra cost per running decode on the D worker
     # Conditional disaggregation: a decode worker prefills locally only when it already holds

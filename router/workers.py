@@ -4,13 +4,13 @@ heartbeat refreshes them) and/or a static list, with a circuit breaker per worke
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from common.registry import RedisKeys
+from common.background import BackgroundErrors
+from common.registry import RedisKeys, WorkerRegistration
 from router.backends import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,10 @@ def parse_static(entry: str) -> tuple[str, str, str]:
 
 class WorkerDirectory:
     def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
-                 breaker_cooldown_s: float = 5.0, restart_grace_s: float = 5.0) -> None:
+                 breaker_cooldown_s: float = 5.0, restart_grace_s: float = 5.0,
+                 errors: BackgroundErrors | None = None) -> None:
         self.keys = keys
+        self.errors = errors or BackgroundErrors()
         # A key of this router's own (it expires only if the router stops refreshing): when it
         # is gone, Redis lost its data (restart, flush, failover to an empty replica), and the
         # workers' keys vanished with it although the workers live. For `restart_grace_s` the
@@ -115,23 +117,21 @@ class WorkerDirectory:
         for key, raw in zip(keys, infos, strict=True):
             if not raw:
                 continue
-            info = {k.decode(): v.decode() for k, v in raw.items()}
-            wid = (key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[-1]
+            wid = (key.decode(errors="replace") if isinstance(key, bytes) else key).rsplit(":", 1)[-1]
+            try:
+                reg = WorkerRegistration.from_hash(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                self.errors.record("worker_discovery", f"malformed registration {wid!r}: {e}")
+                continue
             seen.add(wid)
             w = self.workers.get(wid)
             if w is None:
-                w = self.workers[wid] = WorkerInfo(wid, info.get("role", "colocated"), info["url"])
+                w = self.workers[wid] = WorkerInfo(wid, reg.role, reg.url)
                 log.info("worker joined: %s (%s at %s)", wid, w.role, w.url)
-            w.role, w.url = info.get("role", w.role), info.get("url", w.url)
-            w.model = info.get("model", "")
-            w.block_size = int(info.get("block_size", 16))
-            w.capacity = int(info.get("capacity", 0))
-            w.max_model_len = int(info["max_model_len"]) if info.get("max_model_len") else None
-            w.block_bytes = int(info["block_bytes"]) if info.get("block_bytes") else None
-            try:
-                w.load = json.loads(info.get("load", "{}"))
-            except json.JSONDecodeError:
-                w.load = {}
+            w.role, w.url, w.model = reg.role, reg.url, reg.model
+            w.block_size, w.capacity = reg.block_size, reg.capacity
+            w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
+            w.load = reg.load.model_dump()
         if time.monotonic() < self._grace_until:
             return
         for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
@@ -140,31 +140,38 @@ class WorkerDirectory:
 
     async def run(self, redis, interval_s: float) -> None:
         while True:
-            await self.refresh(redis)
+            try:
+                await self.refresh(redis)
+            except Exception as e:  # noqa: BLE001 - discovery must outlive any bad entry or bug
+                self.errors.record("worker_discovery", e)
             await asyncio.sleep(interval_s)
 
-    async def probe_static(self, probe) -> None:
-        """Health-check the statically listed workers (Redis-discovered ones prove liveness by
-        their heartbeat); `probe(w)` returns what it learned or raises."""
+    async def probe_all(self, probe) -> None:
+        """Health-check every worker, static or discovered: a heartbeat proves the process
+        lives, not that it can serve (a worker whose engine died kept heart-beating once, and
+        every request to it failed). `probe(w)` returns what it learned or raises."""
         async def one(w: WorkerInfo) -> None:
             try:
                 info = await probe(w)
             except Exception as e:  # noqa: BLE001 - any failure: not healthy
                 if w.available:
-                    log.warning("static worker %s failed its health check: %s", w.worker_id, e)
+                    log.warning("worker %s failed its health check: %s", w.worker_id, e)
                 self.mark_dead(w)
                 return
             if not w.available:
-                log.info("static worker %s is healthy again", w.worker_id)
-            self.record_success(w)
+                log.info("worker %s is healthy again", w.worker_id)
+                self.record_success(w)
             w.model = info.get("model") or w.model
             w.max_model_len = info.get("max_model_len") or w.max_model_len
 
-        await asyncio.gather(*(one(w) for w in self.workers.values() if w.static))
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))
 
     async def run_probes(self, probe, interval_s: float) -> None:
         while True:
-            await self.probe_static(probe)
+            try:
+                await self.probe_all(probe)
+            except Exception as e:  # noqa: BLE001 - a probe bug must not end health checking
+                self.errors.record("worker_probes", e)
             await asyncio.sleep(interval_s)
 
     def record_failure(self, w: WorkerInfo) -> None:

@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.auth import require_internal_token
+from common.body_limit import BodyLimit
 from kv_transfer.metadata_api import metadata_router
 from worker.errors import install_error_handlers
 from worker.internal_api import internal_router
@@ -20,7 +22,17 @@ from worker.state import WorkerState
 log = logging.getLogger(__name__)
 
 
+class InsecureConfig(ValueError):
+    """The worker would listen beyond loopback with its internal API open."""
+
+
 def create_app(settings: WorkerSettings) -> FastAPI:
+    problem = settings.security_problem()
+    if problem:
+        raise InsecureConfig(problem)
+    if not settings.internal_token:
+        log.warning("no internal token: the internal API is open to every local process and KV "
+                    "handles are unsigned (development only; tandem up generates a token)")
     registry = CollectorRegistry()
     state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role))
 
@@ -33,6 +45,8 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         from worker.openai_api import openai_router
 
         app.include_router(openai_router(state))
+        if settings.fault_injection:
+            app.include_router(fault_router(state))
         log.info("%s worker %s ready on %s (model %s, %d KV blocks)", settings.role,
                  settings.resolved_worker_id, settings.url, state.core.model_id, state.core.num_blocks)
         try:
@@ -43,6 +57,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     app = FastAPI(title=f"Tandem {settings.role} worker", lifespan=lifespan)
     app.state.worker = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -64,3 +79,22 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def fault_router(state: WorkerState):
+    """Test builds only (`--enable-fault-injection`): make the engine thread fail, as a bug in a
+    model step would, to exercise the dead-worker path end to end."""
+    from fastapi import APIRouter, Depends
+
+    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))],
+                       include_in_schema=False)
+
+    @router.post("/debug/engine-fault")
+    async def engine_fault() -> dict:
+        def fail() -> None:
+            raise RuntimeError("injected engine fault")
+
+        state.engine.post(fail)
+        return {"injected": True}
+
+    return router

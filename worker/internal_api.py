@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from common.auth import require_internal_token
+from common.hashing import hash_tokens
 from common.protocol import (
     GenerateRequest,
     KVTransferParams,
@@ -20,11 +21,13 @@ from common.protocol import (
     TokenLogprob,
 )
 from common.streams import prepend
-from engine.llm_engine import RequestOutput
+from engine.async_engine import EngineDeadError
+from engine.llm_engine import DuplicateRequestId, RequestOutput
 from engine.sampling_params import SamplingParams
+from kv_transfer import handle
 from kv_transfer.layout import BlockRangeError, LayoutMismatch
-from kv_transfer.transport import TransferError
-from worker.errors import APIError
+from kv_transfer.transport import TransferError, TransferTimeout
+from worker.errors import APIError, api_error
 from worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
     """
     s = state.settings
+    if lease_seconds is not None and lease_seconds > s.max_lease_seconds:
+        raise APIError(400, f"lease_seconds must be at most {s.max_lease_seconds}", "invalid_lease",
+                       "lease_seconds")
     if state.num_prefill_inflight >= s.max_queue:
         state.metrics.shed.inc()
         raise APIError(503, "prefill queue is full", "overloaded", headers={"Retry-After": "1"})
@@ -57,7 +63,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
             async for out in engine.generate(request_id, prompt, params, hold_blocks=True):  # noqa: B007
                 pass
         except ValueError as e:
-            raise APIError(400, str(e), "invalid_prompt") from e
+            raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
     finally:
         state.num_prefill_inflight -= 1
     assert out is not None and out.finished
@@ -71,14 +77,11 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     else:
         block_ids = await engine.call(core.block_table, request_id)
         exported = state.connector.export(request_id, block_ids, lease_seconds)
-        kv = KVTransferParams(
-            do_remote_prefill=True,
-            remote_host=s.public_host,
-            remote_port=s.port,
-            block_hashes=core.hasher(prompt),
-            num_tokens=len(prompt),
-            **exported,
-        )
+        fields = dict(do_remote_prefill=True, remote_host=s.public_host, remote_port=s.port,
+                      block_hashes=core.hasher(prompt), num_tokens=len(prompt),
+                      prompt_hash=hash_tokens(prompt), expires_at=exported["lease_expires_at"],
+                      **exported)
+        kv = KVTransferParams(**handle.sign(fields, s.internal_token))
     lp = out.logprobs[0] if out.logprobs else None
     return PrefillResponse(
         request_id=request_id,
@@ -110,9 +113,15 @@ async def stream_generate(
     kvp = req.kv_transfer_params
     t0 = time.monotonic()
     transfer_s, transfer_bytes = 0.0, 0
-    q = engine.open_stream(rid)
+    try:
+        q = engine.open_stream(rid)
+    except DuplicateRequestId as e:
+        raise api_error(e) from e
     added = False
     try:
+        if kvp is not None and kvp.do_remote_prefill and state.connector is not None:
+            if not _handle_ok(state, kvp, req.prompt_token_ids, rid):
+                kvp = None  # prefill locally: nothing is pulled, nothing foreign is cached
         if kvp is not None and kvp.do_remote_prefill and state.connector is not None:
             try:
                 block_table, num_local = await engine.call(
@@ -120,7 +129,7 @@ async def stream_generate(
             except MemoryError as e:
                 raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
             except ValueError as e:
-                raise APIError(400, str(e), "invalid_prompt") from e
+                raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True
             ok, transfer_bytes = await _pull(state, kvp, rid, block_table, num_local,
                                              len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
@@ -132,7 +141,7 @@ async def stream_generate(
                 await engine.call(core.add_request, rid, req.prompt_token_ids, params,
                                   req.output_token_ids)
             except ValueError as e:
-                raise APIError(400, str(e), "invalid_prompt") from e
+                raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True
         first = True
         async for out in engine.outputs(rid, q):
@@ -154,6 +163,20 @@ async def stream_generate(
         engine.close_stream(rid)
         if added and engine.alive:
             engine.post(core.abort_request, rid)
+
+
+def _handle_ok(state: WorkerState, kvp: KVTransferParams, prompt: list[int], rid: str) -> bool:
+    """Whether this worker may pull with `kvp` for `prompt` (kv_transfer/handle.py): signed by a
+    holder of the internal token, unexpired, and issued for exactly this prompt."""
+    s = state.settings
+    try:
+        handle.verify(kvp, s.internal_token, prompt, state.core.hasher(prompt),
+                      s.require_signed_handles)
+    except handle.InvalidHandle as e:
+        state.metrics.pull_fallbacks.labels("invalid_handle").inc()
+        log.warning("refused a KV handle (%s); prefilling locally", e, extra={"request_id": rid})
+        return False
+    return True
 
 
 def _import(core, rid, prompt, params, output_token_ids):
@@ -180,9 +203,14 @@ async def _pull(state: WorkerState, kvp: KVTransferParams, rid: str, block_table
                                       block_table[num_local:num_kv_blocks])
         return True, stats.num_bytes
     except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
-        reason = "timeout" if "timed out" in str(e) else type(e).__name__
+        reason = "timeout" if isinstance(e, TransferTimeout) or "timed out" in str(e) else type(e).__name__
         state.metrics.pull_fallbacks.labels(reason).inc()
         log.warning("KV pull failed (%s); prefilling locally", e, extra={"request_id": rid})
+        return False, 0
+    except Exception as e:  # noqa: BLE001 - whatever a peer sent, the request falls back
+        state.metrics.pull_fallbacks.labels("error").inc()
+        log.exception("KV pull failed unexpectedly (%s); prefilling locally", e,
+                      extra={"request_id": rid})
         return False, 0
 
 
@@ -225,8 +253,9 @@ def internal_router(state: WorkerState) -> APIRouter:
                 first = await anext(items)
             except StopAsyncIteration:
                 first = None
-            except APIError as e:
-                state.metrics.requests.labels("generate", str(e.status)).inc()
+            except (APIError, EngineDeadError) as e:
+                status = api_error(e).status
+                state.metrics.requests.labels("generate", str(status)).inc()
                 raise
 
             async def body():
@@ -236,6 +265,11 @@ def internal_router(state: WorkerState) -> APIRouter:
                         ev.timing = timing
                         yield _frame(ev, sse, final=ev.finish_reason is not None)
                     state.metrics.requests.labels("generate", "200").inc()
+                except EngineDeadError as e:
+                    # Headers are sent: end the stream with an error event (the router resumes
+                    # the request elsewhere), not a cut connection.
+                    state.metrics.requests.labels("generate", "503").inc()
+                    yield _frame(StreamEvent(request_id=req.request_id, error=str(e)), sse)
                 finally:
                     await items.aclose()
 

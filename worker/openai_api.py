@@ -14,13 +14,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.auth import require_internal_token
+from common.bounds import (
+    MAX_TOP_K,
+    MaxTokens,
+    MinP,
+    Penalty,
+    PromptTokenIds,
+    Seed,
+    StopString,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TopP,
+    is_request_id,
+)
 from common.protocol import GenerateRequest, KVTransferParams
 from common.streams import prepend
 from engine.sampling_params import SamplingParams
@@ -31,27 +45,29 @@ from worker.state import WorkerState
 
 
 class _OpenAIBase(BaseModel):
+    # vLLM clients send fields we ignore (return_token_ids, tp_size, ...): allowed, but every
+    # field we read is bounded by common/bounds.py, like the router's and the internal API's.
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: str | None = Field(None, max_length=256)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     stream: bool = False
     kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionBody(_OpenAIBase):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | PromptTokenIds | list[str] | list[PromptTokenIds]
 
 
 class ChatBody(_OpenAIBase):
@@ -99,6 +115,9 @@ def openai_router(state: WorkerState) -> APIRouter:
         ids = prompt_ids(body)
         params = _params(body)
         rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        if not is_request_id(rid):
+            raise APIError(400, "X-Request-Id must be 1-256 characters of [A-Za-z0-9._:-]",
+                           "invalid_request_id")
         created = int(time.time())
         kvp = body.kv_transfer_params
         obj = "chat.completion" if chat else "text_completion"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +26,9 @@ class WorkerSettings(BaseSettings):
     namespace: str = "default"
     heartbeat_ttl_s: float = 10.0
     internal_token: str | None = None
+    # Without a token the internal API is open and KV handles unsigned: allowed on loopback
+    # (development), refused on any other address unless the operator says --insecure.
+    insecure: bool = False
     device: str = "cpu"
     dtype: str | None = None
     num_blocks: int | None = None
@@ -37,8 +41,14 @@ class WorkerSettings(BaseSettings):
     transport: str | None = None  # nixl | tcp; default: nixl where it imports
     transport_port: int = 0
     lease_seconds: float = 30.0
+    max_lease_seconds: float = 120.0  # the most a /prefill caller may pin blocks for
+    handshake_timeout_s: float = 5.0  # KV metadata handshake with a peer, start to end
     pull_timeout_s: float = 10.0
     max_queue: int = 256  # prefill requests waiting beyond this get 503 + Retry-After
+    max_body_bytes: int = 64 << 20  # internal requests carry token ids: 1M tokens is ~8 MB
+    # Test builds only: POST /debug/engine-fault makes the engine thread raise (the dead-worker
+    # path is tested with it). Needs the internal token like every internal endpoint.
+    fault_injection: bool = False
 
     @property
     def public_host(self) -> str:
@@ -49,5 +59,30 @@ class WorkerSettings(BaseSettings):
         return f"http://{self.public_host}:{self.port}"
 
     @property
+    def on_loopback(self) -> bool:
+        return is_loopback(self.host) and (self.advertise_host is None or is_loopback(self.advertise_host))
+
+    def security_problem(self) -> str | None:
+        """Why this configuration must not start, or None."""
+        if self.internal_token or self.insecure or self.on_loopback:
+            return None
+        return (f"refusing to listen on {self.host} without an internal token: anyone who can "
+                "reach this port could drive the engine and read its KV cache. Set "
+                "--internal-token (or TANDEM_INTERNAL_TOKEN), or pass --insecure to run open anyway.")
+
+    @property
+    def require_signed_handles(self) -> bool:
+        return bool(self.internal_token) and not self.insecure
+
+    @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{self.role}-{self.public_host}-{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from common.background import BackgroundErrors
 from common.registry import RedisKeys, WorkerPublisher
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -34,6 +35,15 @@ class WorkerState:
     ready: bool = False
     num_prefill_inflight: int = 0
     started_at: float = field(default_factory=time.time)
+    # Set when the engine thread died: the process should exit with it (see on_engine_death).
+    exit_code: int | None = None
+    # What the edge (the CLI) gives to stop the server: called once after an engine failure.
+    request_shutdown: object = None
+    errors: BackgroundErrors = None  # built in __post_init__ on the worker's registry
+
+    def __post_init__(self) -> None:
+        if self.errors is None:
+            self.errors = BackgroundErrors(self.registry)
 
     @property
     def core(self) -> LLMEngine:
@@ -49,29 +59,54 @@ class WorkerState:
             num_threads=s.threads,
         )
         core = await asyncio.to_thread(LLMEngine, config)
-        self.engine = AsyncEngine(core, on_events=self._on_events)
+        self.engine = AsyncEngine(core, on_events=self._on_events, on_death=self.on_engine_death)
         self.engine.start()
         if s.role != "colocated":
             transport = s.transport or default_transport_name()
             tconfig = TransportConfig(engine_id=s.resolved_worker_id, token=s.internal_token,
                                       listen_host=s.host, advertise_host=s.advertise_host,
-                                      port=s.transport_port, pull_timeout_s=s.pull_timeout_s)
+                                      port=s.transport_port, pull_timeout_s=s.pull_timeout_s,
+                                      handshake_timeout_s=s.handshake_timeout_s)
             self.connector = KVConnector(
                 core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_id), tconfig, transport,
                 release=lambda rid: self.engine.post(core.release, rid),
                 lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
+                errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
+                max_lease_seconds=s.max_lease_seconds,
             )
             await self.connector.start()
             log.info("kv transfer: %s (%s)", transport, self.connector.transport.label)
         if s.redis_url:
             self.publisher = WorkerPublisher(
                 s.redis_url, RedisKeys(s.namespace), s.resolved_worker_id, self.registration_info(),
-                snapshot=self._snapshot, load=self.load, ttl_s=s.heartbeat_ttl_s)
+                snapshot=self._snapshot, load=self.load, ttl_s=s.heartbeat_ttl_s,
+                errors=self.errors)
             self.publisher.start()
         self.ready = True
 
+    def on_engine_death(self, error: BaseException) -> None:
+        """The engine thread died (its requests have been failed already). A worker without an
+        engine must not look alive: not ready at once, its Redis registration and block set
+        deleted now (the router stops routing here within one refresh), and the process exits
+        non-zero so its supervisor (`tandem up`, Kubernetes, compose) starts a fresh one."""
+        log.critical("engine failed (%s: %s): deregistering and exiting", type(error).__name__, error)
+        self.ready = False
+        self.exit_code = 1
+
+        async def leave() -> None:
+            if self.publisher is not None:
+                await self.publisher.close(deregister=True)
+                self.publisher = None
+            if callable(self.request_shutdown):
+                self.request_shutdown()
+
+        self._leaving = asyncio.get_running_loop().create_task(leave(), name="engine-death")
+
     async def stop(self) -> None:
         self.ready = False
+        leaving = getattr(self, "_leaving", None)
+        if leaving is not None:
+            await asyncio.gather(leaving, return_exceptions=True)
         if self.publisher is not None:
             await self.publisher.close()
         if self.connector is not None:

@@ -69,7 +69,7 @@ def test_partial_pull_of_missing_blocks_only(pair):
     sender, receiver = pair
     params = sender.send("export", request_id="req-2", block_ids=[1, 2, 3, 4])
     # The receiver already holds the first two blocks: it pulls the last two only.
-    stats = receiver.send("pull", url=sender.url, request_id="req-2",
+    stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="req-2",
                           remote_block_ids=params["remote_block_ids"][2:], local_block_ids=[8, 9])
     assert stats["num_bytes"] == 2 * 4 * 2 * 16 * 3 * 64 * 2
     got = receiver.send("digest")["digests"]
@@ -97,7 +97,7 @@ def test_killed_receiver_leaks_nothing(transport):
     try:
         blocks = list(range(512))
         sender.send("export", request_id="doomed", block_ids=blocks, lease_seconds=1.0)
-        receiver.send_nowait("pull", url=sender.url, request_id="doomed",
+        receiver.send_nowait("pull", url=sender.url, engine_id=sender.engine_id, request_id="doomed",
                              remote_block_ids=blocks, local_block_ids=blocks)
         time.sleep(0.05)
         receiver.kill()
@@ -107,7 +107,7 @@ def test_killed_receiver_leaks_nothing(transport):
         fresh = Peer(transport, "D3", num_blocks=8, seed=3)
         try:
             sender.send("export", request_id="next", block_ids=[7])
-            stats = fresh.send("pull", url=sender.url, request_id="next", remote_block_ids=[7],
+            stats = fresh.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="next", remote_block_ids=[7],
                                local_block_ids=[0])
             assert "error" not in stats, stats
             assert fresh.send("digest")["digests"][0] == block_digests(make_cache(512, seed=1))[7]
@@ -122,7 +122,7 @@ def test_layout_mismatch_is_refused_with_what_differs(transport):
     receiver = Peer(transport, "D4", num_blocks=16, seed=2, block_size=32, model_id="other")
     try:
         sender.send("export", request_id="r", block_ids=[1])
-        out = receiver.send("pull", url=sender.url, request_id="r", remote_block_ids=[1],
+        out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1],
                             local_block_ids=[1])
         assert out["error"] == "LayoutMismatch"
         assert "block_size: 32 here vs 16 at the peer" in out["message"]
@@ -138,10 +138,10 @@ def test_out_of_range_block_ids_are_refused(pair):
     sender, receiver = pair
     before = receiver.send("digest")["digests"]
     sender.send("export", request_id="r", block_ids=[1, 2])
-    out = receiver.send("pull", url=sender.url, request_id="r", remote_block_ids=[1, 64],
+    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1, 64],
                         local_block_ids=[0, 1])
     assert out["error"] == "BlockRangeError" and "remote block ids out of range [0, 64): [64]" in out["message"]
-    out = receiver.send("pull", url=sender.url, request_id="r", remote_block_ids=[1, 2],
+    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1, 2],
                         local_block_ids=[0, 48])
     assert out["error"] == "BlockRangeError" and "local block ids out of range [0, 48)" in out["message"]
     assert receiver.send("digest")["digests"] == before
@@ -160,7 +160,7 @@ def test_metadata_endpoint_requires_the_internal_token(pair, transport):
     assert ok.status_code == 200 and ok.json()["layout"]["num_blocks"] == 64
     wrong = Peer(transport, "D9", num_blocks=8, seed=2, token="wrong")
     try:
-        out = wrong.send("pull", url=sender.url, request_id="x", remote_block_ids=[1], local_block_ids=[1])
+        out = wrong.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="x", remote_block_ids=[1], local_block_ids=[1])
         assert out["error"] == "TransferError" and "HTTP 401" in out["message"]
     finally:
         wrong.close()
@@ -173,7 +173,7 @@ def test_tcp_fp8_packing_halves_bytes_within_e4m3_error():
     receiver = Peer("tcp", "D5", num_blocks=16, seed=2, fp8=True)
     try:
         sender.send("export", request_id="f", block_ids=[3, 4])
-        stats = receiver.send("pull", url=sender.url, request_id="f", remote_block_ids=[3, 4],
+        stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="f", remote_block_ids=[3, 4],
                               local_block_ids=[0, 1])
         full = 2 * 4 * 2 * 16 * 3 * 64 * 2
         assert stats["label"] == "tcp+fp8" and stats["num_bytes"] == full // 2 + 2 * 4 * 2 * 4

@@ -154,3 +154,104 @@ def test_router_sse_fuzz(cluster, body, prompt, chat):
     assert len(usage) == (1 if (body.get("stream_options") or {}).get("include_usage") else 0)
     if usage:
         assert 1 <= usage[0]["completion_tokens"] <= body["max_tokens"]
+
+
+# Numeric extremes on every endpoint (issue: "top_k: 2**63" killed every engine). Each example
+# puts one extreme value into one numeric field of an otherwise valid body: the answer is a
+# success or a 4xx in the OpenAI format, never a 5xx, and every engine is alive afterwards.
+_EXTREMES = [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1,
+             2**64, 10**30, 1e308, -1e308, 5e-324, 0.5, -0.0, float("inf"), float("-inf"), float("nan")]
+_SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
+                    "frequency_penalty", "logprobs"]
+_ENDPOINT_FIELDS = {
+    "router:/v1/completions": _SAMPLING_FIELDS + ["n", "prompt.0"],
+    "router:/v1/chat/completions": [f for f in _SAMPLING_FIELDS if f != "logprobs"]
+    + ["n", "top_logprobs", "max_completion_tokens"],
+    "prefill:/prefill": [f"sampling.{f}" for f in _SAMPLING_FIELDS]
+    + ["lease_seconds", "prompt_token_ids.0", "sampling.stop_token_ids.0"],
+    "decode:/generate": [f"sampling.{f}" for f in _SAMPLING_FIELDS]
+    + ["prompt_token_ids.0", "output_token_ids.0", "kv_transfer_params.remote_port",
+       "kv_transfer_params.remote_block_ids.0", "kv_transfer_params.num_tokens",
+       "kv_transfer_params.expires_at", "kv_transfer_params.prompt_hash"],
+    "decode:/v1/completions": [f for f in _SAMPLING_FIELDS if f != "logprobs"]
+    + ["prompt.0", "stop_token_ids.0", "kv_transfer_params.remote_port"],
+    "prefill:/v1/completions": [f for f in _SAMPLING_FIELDS if f != "logprobs"] + ["prompt.0"],
+}
+
+
+def _base(endpoint: str) -> dict:
+    rid = f"x-{uuid.uuid4().hex[:8]}"
+    if endpoint.startswith("router:"):
+        body = {"model": "tiny-random", "max_tokens": 3}
+        if endpoint.endswith("chat/completions"):
+            return {**body, "messages": [{"role": "user", "content": "hi"}]}
+        return {**body, "prompt": [5, 6, 7]}
+    if endpoint == "prefill:/prefill":
+        return {"request_id": rid, "prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 3}}
+    if endpoint == "decode:/generate":
+        return {"request_id": rid, "prompt_token_ids": [5, 6, 7], "output_token_ids": [8],
+                "sampling": {"max_tokens": 3},
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "p",
+                                       "remote_host": "127.0.0.1", "remote_port": 1,
+                                       "remote_block_ids": [0], "remote_request_id": rid}}
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    if endpoint == "prefill:/v1/completions":
+        body["kv_transfer_params"] = {"do_remote_decode": True}
+    elif "kv_transfer_params" not in body:
+        body["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": "p",
+                                      "remote_host": "127.0.0.1", "remote_port": 1,
+                                      "remote_block_ids": [0], "remote_request_id": rid}
+    return body
+
+
+def _put(body: dict, path: str, value) -> dict:
+    node = body
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node[int(key)] if key.isdigit() else node.setdefault(key, {})
+    last = keys[-1]
+    if last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return body
+
+
+_field_cases = st.sampled_from([(e, f) for e, fs in _ENDPOINT_FIELDS.items() for f in fs])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE)
+@given(case=_field_cases, value=st.sampled_from(_EXTREMES))
+def test_numeric_extremes_on_every_endpoint(cluster, case, value):
+    r, p, d = cluster
+    endpoint, field = case
+    service, path = endpoint.split(":", 1)
+    base = {"router": r.url, "prefill": p.url, "decode": d.url}[service]
+    headers = {"Content-Type": "application/json"}
+    if service != "router":
+        headers["Authorization"] = f"Bearer {TOKEN}"
+    body = _put(_base(endpoint), field, value)
+    # json.dumps writes inf/nan as Infinity/NaN: not JSON, but what a careless client sends.
+    resp = httpx.post(f"{base}{path}", content=json.dumps(body), headers=headers, timeout=60)
+    assert resp.status_code in (200, 400, 404, 409, 413, 422), (endpoint, field, value, resp.status_code, resp.text[:300])
+    if resp.status_code != 200:
+        assert "error" in resp.json(), resp.text
+    else:
+        resp.read()
+    for w in (p, d):
+        assert httpx.get(f"{w.url}/ready", timeout=5).status_code == 200, (endpoint, field, value)
+
+
+def test_kv_metadata_takes_no_input_and_needs_the_token(cluster):
+    _, p, d = cluster
+    for w in (p, d):
+        assert httpx.get(f"{w.url}/kv/metadata", params={"x": 2**64}, timeout=10).status_code == 401
+        ok = httpx.get(f"{w.url}/kv/metadata", params={"x": 2**64},
+                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["engine_id"]
+
+
+def test_workers_are_back_to_baseline_after_the_extremes(cluster):
+    _, p, d = cluster
+    time.sleep(2.5)  # prefills left unclaimed hold their blocks for the 2 s lease
+    assert_baseline(p, d)

@@ -1,0 +1,116 @@
+"""How fast the router answers /health while clients post multi-megabyte bodies.
+
+    .venv/bin/python bench/abuse.py [--clients 8] [--probes 200]
+
+A `tandem router` with SmolLM2's tokenizer (no workers are needed: every abusive request ends in
+a 400 before routing) is probed with GET /health at 20/s, first idle, then while `--clients`
+threads post, back to back:
+  4mib      4 MiB of text: refused by the byte-length pre-check, never tokenized
+  1mib      1 MiB of text (under the pre-check's bound): tokenized off the event loop, then 400
+  1mib-loop the same with tokenizing on the event loop (TANDEM_ROUTER_OFFLOAD_CHARS=10**12:
+            what the router did before), the baseline the off-loop path is compared with
+Each case runs on a fresh router. JSON: bench/results/abuse.json (p50/p99 of /health in ms,
+ratios against the idle run, abusive requests answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.model_store import prepare_smollm2  # noqa: E402
+from tests.worker.cluster import Router  # noqa: E402 - the same process helper as the tests
+
+CASES = {"4mib": (4 << 20) - 4096, "1mib": 1 << 20, "1mib-loop": 1 << 20}
+
+
+def probe(url: str, n: int, rate: float) -> list[float]:
+    out = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            out.append((time.perf_counter() - t0) * 1000)
+            time.sleep(max(0.0, 1 / rate - out[-1] / 1000))
+    return out
+
+
+def summary(ms: list[float]) -> dict:
+    q = statistics.quantiles(ms, n=100)
+    return {"p50_ms": round(q[49], 2), "p99_ms": round(q[98], 2), "max_ms": round(max(ms), 2)}
+
+
+def run_case(folder: Path, work: Path, size: int | None, clients: int, probes: int, on_loop: bool) -> dict:
+    env = {"TANDEM_ROUTER_OFFLOAD_CHARS": str(10**12)} if on_loop else {}
+    router = Router(folder, None, cache_dir=work, redis_url=None, block_size=16,
+                    extra=["--worker", "decode=http://127.0.0.1:1"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if router.client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.2)
+        stop = threading.Event()
+        answered: list[int] = []
+
+        def abuse() -> None:
+            body = json.dumps({"model": folder.name, "prompt": "abc " * (size // 4), "max_tokens": 4})
+            with httpx.Client(timeout=120) as client:
+                while not stop.is_set():
+                    r = client.post(f"{router.url}/v1/completions", content=body,
+                                    headers={"Content-Type": "application/json"})
+                    answered.append(r.status_code)
+
+        threads = [threading.Thread(target=abuse) for _ in range(clients if size else 0)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0 if threads else 0)
+        t0 = time.monotonic()
+        ms = probe(router.url, probes, 20.0)
+        elapsed = time.monotonic() - t0
+        stop.set()
+        for t in threads:
+            t.join()
+        return {**summary(ms), "abusive_requests": len(answered),
+                "abusive_per_s": round(len(answered) / elapsed, 1),
+                "abusive_statuses": sorted(set(answered))}
+    finally:
+        router.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--probes", type=int, default=200)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "abuse.json"))
+    args = ap.parse_args()
+    folder = prepare_smollm2()
+    work = Path(args.out).parent
+    work.mkdir(parents=True, exist_ok=True)
+    result = {"clients": args.clients, "probes": args.probes,
+              "idle": run_case(folder, work, None, args.clients, args.probes, False)}
+    for name, size in CASES.items():
+        result[name] = run_case(folder, work, size, args.clients, args.probes, name.endswith("-loop"))
+        for q in ("p50_ms", "p99_ms"):
+            result[name][f"{q[:3]}_vs_idle"] = round(result[name][q] / result["idle"][q], 2)
+        print(name, result[name], flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
