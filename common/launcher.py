@@ -55,7 +55,7 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "a")
+        log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")  # a restart appends
         # The token goes by environment, not argv: argv is readable by every user (ps).
         env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or ""}
         proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], stdout=log,

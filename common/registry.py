@@ -11,6 +11,8 @@ worker rewrites its whole set, so a restarted or emptied Redis heals itself.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -79,14 +81,29 @@ class WorkerRegistration(BaseModel):
     load: WorkerLoad = Field(default_factory=WorkerLoad)
 
     @classmethod
-    def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerRegistration:
-        """Parse a raw HGETALL answer; raises ValueError (pydantic's or a decoding one)."""
+    def from_hash(cls, raw: dict[bytes, bytes], worker_id: str = "",
+                  token: str | None = None) -> WorkerRegistration:
+        """Parse a raw HGETALL answer, checking its signature when `token` is given; raises
+        ValueError (pydantic's, a decoding one, or a missing or wrong signature)."""
         info: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        if token:
+            given = info.get("signature", "")
+            if not hmac.compare_digest(given.encode(), registration_signature(worker_id, info, token).encode()):
+                raise ValueError("not signed with this cluster's internal token")
         info["load"] = WorkerLoad.model_validate_json(info.get("load") or "{}")
         for key in ("max_model_len", "block_bytes"):
             if info.get(key) in ("", "None"):
                 info.pop(key)
         return cls.model_validate(info)
+
+
+def registration_signature(worker_id: str, fields: dict[str, str], token: str) -> str:
+    """HMAC-SHA256 (internal token) over a registration's static fields as stored in Redis (all
+    but the changing `load`), so a router that holds the token only routes to (and sends the
+    token to) workers that hold it too: writing a hash into Redis does not make a worker."""
+    static = {k: v for k, v in fields.items() if k not in ("load", "signature")}
+    payload = json.dumps({"worker_id": worker_id, **static}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), payload.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -117,6 +134,7 @@ class WorkerPublisher:
         flush_interval_s: float = 0.02,
         max_pending: int = 100_000,
         errors: BackgroundErrors | None = None,
+        token: str | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -124,6 +142,9 @@ class WorkerPublisher:
         self.keys = keys
         self.worker_id = worker_id
         self.info = info
+        self._fields = {k: (json.dumps(v) if isinstance(v, dict | list) else str(v)) for k, v in info.items()}
+        if token:
+            self._fields["signature"] = registration_signature(worker_id, self._fields, token)
         self._snapshot = snapshot
         self._load = load
         self.ttl_s = ttl_s
@@ -213,8 +234,7 @@ class WorkerPublisher:
 
     async def _heartbeat(self) -> None:
         wkey, bkey = self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id)
-        fields = {k: (json.dumps(v) if isinstance(v, dict | list) else str(v)) for k, v in self.info.items()}
-        fields["load"] = json.dumps(self._load())
+        fields = {**self._fields, "load": json.dumps(self._load())}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(wkey, mapping=fields)
         pipe.expire(wkey, int(self.ttl_s))

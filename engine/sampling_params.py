@@ -68,7 +68,12 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(len(self.stop) <= bounds.MAX_STOP_STRINGS
+               and all(isinstance(s, str) and 0 < len(s) <= bounds.MAX_STOP_CHARS for s in self.stop),
+               "stop", f"must be at most {bounds.MAX_STOP_STRINGS} non-empty strings of at most "
+               f"{bounds.MAX_STOP_CHARS} characters")
+        _check(len(self.stop_token_ids) <= bounds.MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"must be at most {bounds.MAX_STOP_TOKEN_IDS} ids")
         _check(all(isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", f"must be integers in [0, {bounds.MAX_TOKEN_ID}]")
 

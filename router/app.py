@@ -67,7 +67,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     hasher = BlockHasher(settings.model, settings.block_size, settings.hash_salt)
     keys = RedisKeys(settings.namespace)
     directory = WorkerDirectory(keys, settings.workers, settings.breaker_failures,
-                                settings.breaker_cooldown_s, settings.redis_restart_grace_s, errors)
+                                settings.breaker_cooldown_s, settings.redis_restart_grace_s, errors,
+                                settings.internal_token)
     policy = make_policy(settings.policy, settings)
     auth = KeyAuth(load_keys(settings.api_keys, settings.api_keys_file))
     admission = Admission(settings.max_running, settings.max_queued)

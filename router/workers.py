@@ -64,8 +64,9 @@ def parse_static(entry: str) -> tuple[str, str, str]:
 class WorkerDirectory:
     def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
                  breaker_cooldown_s: float = 5.0, restart_grace_s: float = 5.0,
-                 errors: BackgroundErrors | None = None) -> None:
+                 errors: BackgroundErrors | None = None, token: str | None = None) -> None:
         self.keys = keys
+        self.token = token  # set: only registrations signed with it count (common/registry.py)
         self.errors = errors or BackgroundErrors()
         # A key of this router's own (it expires only if the router stops refreshing): when it
         # is gone, Redis lost its data (restart, flush, failover to an empty replica), and the
@@ -119,9 +120,9 @@ class WorkerDirectory:
                 continue
             wid = (key.decode(errors="replace") if isinstance(key, bytes) else key).rsplit(":", 1)[-1]
             try:
-                reg = WorkerRegistration.from_hash(raw)
+                reg = WorkerRegistration.from_hash(raw, wid, self.token)
             except (ValueError, UnicodeDecodeError) as e:
-                self.errors.record("worker_discovery", f"malformed registration {wid!r}: {e}")
+                self.errors.record("worker_discovery", f"registration {wid!r} refused: {e}")
                 continue
             seen.add(wid)
             w = self.workers.get(wid)

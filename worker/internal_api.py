@@ -119,10 +119,12 @@ async def stream_generate(
         raise api_error(e) from e
     added = False
     try:
-        if kvp is not None and kvp.do_remote_prefill and state.connector is not None:
-            if not _handle_ok(state, kvp, req.prompt_token_ids, rid):
-                kvp = None  # prefill locally: nothing is pulled, nothing foreign is cached
-        if kvp is not None and kvp.do_remote_prefill and state.connector is not None:
+        # An invalid handle means a local prefill: nothing is pulled, nothing foreign is cached.
+        remote = (kvp is not None and kvp.do_remote_prefill and state.connector is not None
+                  and _handle_ok(state, kvp, req.prompt_token_ids, rid))
+        if not remote:
+            kvp = None
+        if remote:
             try:
                 block_table, num_local = await engine.call(
                     _import, core, rid, req.prompt_token_ids, params, req.output_token_ids)

@@ -80,7 +80,7 @@ class WorkerState:
             self.publisher = WorkerPublisher(
                 s.redis_url, RedisKeys(s.namespace), s.resolved_worker_id, self.registration_info(),
                 snapshot=self._snapshot, load=self.load, ttl_s=s.heartbeat_ttl_s,
-                errors=self.errors)
+                errors=self.errors, token=s.internal_token)
             self.publisher.start()
         self.ready = True
 

@@ -18,8 +18,9 @@ import pytest
 import redis
 import yaml
 
+from common.registry import registration_signature
 from tests.security.fakes import FakePeer
-from tests.worker.cluster import REDIS_URL, ROOT, Router, Worker, free_port
+from tests.worker.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -144,7 +145,9 @@ def test_a_heartbeating_worker_that_is_not_ready_gets_no_traffic(cluster):
     fake = FakePeer()  # answers 404 to everything
     client = redis.Redis.from_url(REDIS_URL)
     key = f"tandem:{ns}:worker:decode-zombie"
-    client.hset(key, mapping={"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"})
+    fields = {"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"}
+    fields["signature"] = registration_signature("decode-zombie", fields, TOKEN)  # a token holder
+    client.hset(key, mapping=fields)
     client.expire(key, 30)
     try:
         wait_for(lambda: "/ready" in fake.hits, 10, "the router to probe the zombie")
@@ -153,6 +156,30 @@ def test_a_heartbeating_worker_that_is_not_ready_gets_no_traffic(cluster):
             assert "decode-zombie" not in ready_workers(r)
             assert complete(r, max_tokens=3).status_code == 200
             time.sleep(0.25)
+    finally:
+        client.delete(key)
+        client.close()
+        fake.close()
+
+
+def test_a_registration_without_the_token_is_never_contacted(cluster):
+    """Whoever can write to Redis cannot make the router send requests (and the internal token)
+    to a host of its choosing: registrations are signed with the internal token."""
+    r, _, _, ns, _ = cluster
+    fake = FakePeer()
+    client = redis.Redis.from_url(REDIS_URL)
+    key = f"tandem:{ns}:worker:decode-forged"
+    fields = {"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"}
+    client.hset(key, mapping={**fields, "signature": registration_signature("decode-forged", fields, "guess")})
+    client.expire(key, 30)
+    try:
+        before = r.metrics().get('tandem_background_errors_total{task="worker_discovery"}', 0)
+        wait_for(lambda: r.metrics().get('tandem_background_errors_total{task="worker_discovery"}', 0) > before,
+                 10, "the forged registration to be refused")
+        for _ in range(4):
+            assert complete(r, max_tokens=3).status_code == 200
+        time.sleep(2.5)  # a probe round
+        assert fake.hits == [] and "decode-forged" not in ready_workers(r)
     finally:
         client.delete(key)
         client.close()
