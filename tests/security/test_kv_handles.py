@@ -60,17 +60,36 @@ def forged(kvp: dict, **changes) -> dict:
     return handle.sign(fields, TOKEN)
 
 
-@pytest.fixture(scope="module", params=["nixl", "tcp"])
-def pd(request, tiny_folder, tmp_path_factory):
-    work = tmp_path_factory.mktemp(f"handles-{request.param}")
+def _pair(transport: str, tiny_folder, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"handles-{transport}")
     ns = f"handles-{uuid.uuid4().hex[:6]}"
-    extra = ["--transport", request.param, "--lease-seconds", "5"]
+    extra = ["--transport", transport, "--lease-seconds", "5"]
     p = Worker("prefill", str(tiny_folder), cache_dir=work, namespace=ns, extra=extra)
     d = Worker("decode", str(tiny_folder), cache_dir=work, namespace=ns,
                extra=[*extra, "--max-num-seqs", "8"])
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def nixl_pd(tiny_folder, tmp_path_factory):
+    p, d = _pair("nixl", tiny_folder, tmp_path_factory)
     yield p, d
     p.close()
     d.close()
+
+
+@pytest.fixture(scope="module")
+def tcp_pd(tiny_folder, tmp_path_factory):
+    p, d = _pair("tcp", tiny_folder, tmp_path_factory)
+    yield p, d
+    p.close()
+    d.close()
+
+
+@pytest.fixture(params=["nixl", "tcp"])
+def pd(request):
+    """Both transports: the handle rules hold whatever carries the bytes."""
+    return request.getfixturevalue(f"{request.param}_pd")
 
 
 @pytest.fixture
@@ -151,15 +170,13 @@ def test_handles_from_outside_the_cluster_reach_no_host(pd, reference, fake):
     assert fake.hits == []
 
 
-def test_a_peer_cannot_take_over_an_engine_id(pd, reference, fake):
+def test_a_peer_cannot_take_over_an_engine_id(tcp_pd, reference, fake):
     """Item 4: a handle without remote_engine_id made the decode worker cache whatever engine the
     peer's metadata claimed; a peer claiming to be prefill engine E (and serving well-formed
     bytes of its own) then answered every later pull "from E". Now such a handle is refused
     before any contact, and the next real handle from E pulls E's own KV."""
-    p, d = pd
+    p, d = tcp_pd  # the fake peer serves its bytes over the tcp transport's wire
     md = p.client.get("/kv/metadata").json()
-    if md["transport"] != "tcp":
-        pytest.skip("the fake peer serves its bytes over the tcp transport's wire")
     prompt = [(31 * j + 1) % 256 for j in range(14)]
     pre = p.prefill(f"hijack-{uuid.uuid4().hex[:6]}", prompt, GREEDY)
     kvp = dict(pre["kv_transfer_params"])
@@ -215,13 +232,11 @@ def test_lease_seconds_are_capped(pd):
     [1, 2, 3],                                                # not an object
     {"ok": True, "num_bytes": None, "chunk_bytes": -1},       # the bytes it needs, no chunks
     "expected"], ids=["no_num_bytes", "list", "negative_chunk", "short_stream"])
-def test_tcp_transport_does_not_trust_the_peer_header(pd, reference, fake, answer):
+def test_tcp_transport_does_not_trust_the_peer_header(tcp_pd, reference, fake, answer):
     """Item 11: a missing num_bytes or a list header gave a 500; chunk_bytes=-1 skipped the read
     loop and scattered uninitialised memory into the cache as a success."""
-    p, d = pd
+    p, d = tcp_pd
     md = p.client.get("/kv/metadata").json()
-    if md["transport"] != "tcp":
-        pytest.skip("the tcp transport's own wire (the nixl pair has its own tests above)")
     salt = len(json.dumps(answer))  # a prompt of its own: D must not hold it from another case
     prompt = [(43 * j + 4 + salt) % 256 for j in range(20)]
     pre = p.prefill(f"tcp-{uuid.uuid4().hex[:6]}", prompt, GREEDY)
@@ -250,12 +265,10 @@ def _block_bytes(layout: dict) -> int:
     return 2 * layout["num_layers"] * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * size
 
 
-def test_tcp_transport_refuses_a_non_ascii_token_and_keeps_serving(pd, reference):
+def test_tcp_transport_refuses_a_non_ascii_token_and_keeps_serving(tcp_pd, reference):
     """Item 12 on the data port: a token of non-ASCII characters is a refusal, not a crash."""
-    p, d = pd
+    p, d = tcp_pd
     md = p.client.get("/kv/metadata").json()
-    if md["transport"] != "tcp":
-        pytest.skip("the tcp transport's data port")
     host, port = md["params"]["host"], md["params"]["port"]
     header = json.dumps({"op": "pull", "request_id": "x", "block_ids": [0], "token": "\u00ff\u4e2d"}).encode()
     with socket.create_connection((host, port), timeout=10) as s:
@@ -279,13 +292,12 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return out
 
 
-def test_a_bad_notification_does_not_stop_the_lease_watcher(pd, reference):
+@pytest.mark.nixl
+def test_a_bad_notification_does_not_stop_the_lease_watcher(nixl_pd, reference):
     """Item 6: one NIXL notification of invalid UTF-8 killed the lease watcher; leases never
     expired and, since the watcher drives NIXL progress, every later pull timed out."""
-    p, d = pd
+    p, d = nixl_pd
     md = p.client.get("/kv/metadata").json()
-    if md["transport"] != "nixl":
-        pytest.skip("NIXL notifications")
     import base64
 
     import torch
