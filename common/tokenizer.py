@@ -70,6 +70,17 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        """The token ids of an OpenAI completions `prompt` (text, ids, or a batch of one of
+        either); ValueError for a batch of several, which servers here take one at a time."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if len(prompt) == 1:
+            return self.encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+        raise ValueError("send one prompt per request")
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -173,14 +173,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 return tokenizer.encode_chat(body.messages)
             except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
                 raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
-        p = body.prompt
-        if isinstance(p, str):
-            return tokenizer.encode(p)
-        if p and isinstance(p[0], int):
-            return list(p)
-        if len(p) == 1:
-            return tokenizer.encode(p[0]) if isinstance(p[0], str) else list(p[0])
-        raise APIError(400, "send one prompt per request", "invalid_prompt", "prompt")
+        try:
+            return tokenizer.encode_prompt(body.prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_prompt", "prompt") from e
 
     async def prompt_ids(body) -> list[int]:
         if body.model != settings.model:

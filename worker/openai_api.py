@@ -97,19 +97,14 @@ def openai_router(state: WorkerState) -> APIRouter:
     tok = core.tokenizer
 
     def prompt_ids(body: CompletionBody | ChatBody) -> list[int]:
-        if isinstance(body, ChatBody):
-            try:
+        try:
+            if isinstance(body, ChatBody):
                 return tok.encode_chat(body.messages)
-            except (ChatTemplateError, TypeError, KeyError) as e:
-                raise APIError(400, f"messages: {e}", "invalid_messages") from e
-        p = body.prompt
-        if isinstance(p, str):
-            return tok.encode(p)
-        if p and isinstance(p[0], int):
-            return list(p)
-        if len(p) == 1:
-            return tok.encode(p[0]) if isinstance(p[0], str) else list(p[0])
-        raise APIError(400, "batched prompts are not supported by workers; send one per request")
+            return tok.encode_prompt(body.prompt)
+        except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
+            field = "messages" if isinstance(body, ChatBody) else "prompt"
+            raise APIError(400, f"{field}: {e}", "invalid_messages" if field == "messages"
+                           else "invalid_prompt", field) from e
 
     async def handle(body: CompletionBody | ChatBody, request: Request, chat: bool):
         ids = prompt_ids(body)

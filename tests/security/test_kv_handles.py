@@ -70,20 +70,19 @@ def _pair(transport: str, tiny_folder, tmp_path_factory):
     return p, d
 
 
-@pytest.fixture(scope="module")
-def nixl_pd(tiny_folder, tmp_path_factory):
-    p, d = _pair("nixl", tiny_folder, tmp_path_factory)
-    yield p, d
-    p.close()
-    d.close()
+def _pair_fixture(transport: str):
+    @pytest.fixture(scope="module")
+    def pair(tiny_folder, tmp_path_factory):
+        p, d = _pair(transport, tiny_folder, tmp_path_factory)
+        yield p, d
+        p.close()
+        d.close()
+
+    return pair
 
 
-@pytest.fixture(scope="module")
-def tcp_pd(tiny_folder, tmp_path_factory):
-    p, d = _pair("tcp", tiny_folder, tmp_path_factory)
-    yield p, d
-    p.close()
-    d.close()
+nixl_pd = _pair_fixture("nixl")
+tcp_pd = _pair_fixture("tcp")
 
 
 @pytest.fixture(params=["nixl", "tcp"])
