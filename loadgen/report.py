@@ -4,12 +4,16 @@ plots where matplotlib is installed)."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.runner import RequestRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,19 +34,24 @@ def percentiles(values: list[float]) -> dict:
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """The router's Prometheus counters, summed over label sets the report needs."""
+    """The target's Prometheus samples as {series: value}, or {} when it has none. They are
+    optional extras of a report (hit ratio, route plans): a target whose /metrics is missing or
+    not Prometheus text (vllm-router answers "Only POST requests are supported for transparent
+    proxy") costs those fields, never the run."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
-        text = httpx.get(f"{root}/metrics", timeout=5).text
-    except httpx.HTTPError:
+        resp = httpx.get(f"{root}/metrics", timeout=5)
+        if resp.status_code != 200:
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(resp.text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+        return out
+    except (httpx.HTTPError, ValueError, TypeError) as e:
+        log.warning("no Prometheus counters at %s/metrics (%s); reporting without them", root, e)
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        out[name] = float(value)
-    return out
 
 
 def counter_delta(before: dict, after: dict, prefix: str) -> dict[str, float]:

@@ -97,3 +97,45 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
         r.close()
         p.close()
         d.close()
+
+
+def test_scrape_reads_prometheus_and_tolerates_anything_else():
+    """`tandem bench` against vllm-router died on its /metrics answer ("Only POST requests are
+    supported for transparent proxy") before reporting anything; counters are optional."""
+    import http.server
+    import threading
+
+    answers = {
+        "/a/metrics": (200, '# TYPE tandem_route_decisions counter\n'
+                            'tandem_route_decisions_total{plan="disagg"} 4.0\n'
+                            'tandem_prompt_tokens_total 100.0\n'),
+        "/b/metrics": (200, "Only POST requests are supported for transparent proxy"),
+        "/c/metrics": (404, "not found"),
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            status, body = answers.get(self.path, (500, "?"))
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        from loadgen.report import scrape
+
+        got = scrape(f"{base}/a/v1")
+        assert got['tandem_route_decisions_total{plan="disagg"}'] == 4.0
+        assert got["tandem_prompt_tokens_total"] == 100.0
+        assert scrape(f"{base}/b/v1") == {} and scrape(f"{base}/c/v1") == {}
+        assert scrape("http://127.0.0.1:1/v1") == {}
+        # A report from counters that are missing still has every field.
+        s = summarize([RequestRecord(0, 0, 0.0, ttft_s=0.1, e2e_s=0.2, completion_tokens=2)], 1.0, SLO(), {}, {})
+        assert s["ok"] == 1 and s["prefix_hit_ratio"] is None and s["route_plans"] == {}
+    finally:
+        server.shutdown()
