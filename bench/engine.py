@@ -52,9 +52,9 @@ def decode_rate(run, batch: int, n1: int, n2: int) -> float:
     return best
 
 
-def bench_tandem(folder: Path, prompts: Prompts, batches, n1, n2, threads) -> dict:
+def bench_tandem(folder: Path, prompts: Prompts, batches, n1, n2, threads, dtype) -> dict:
     llm = LLM(str(folder), num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048,
-              num_threads=threads)
+              num_threads=threads, dtype=dtype)
 
     def run(batch: int, max_tokens: int) -> float:
         ps = prompts.make(batch, PROMPT_LEN)
@@ -108,12 +108,13 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(resp.read())
 
 
-def bench_vllm(python: str, folder: Path, prompts: Prompts, batches, n1, n2, threads, port) -> dict:
+def bench_vllm(python: str, folder: Path, prompts: Prompts, batches, n1, n2, threads, port,
+               dtype: str = "float32") -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "OMP_NUM_THREADS": str(threads)}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-           "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(max(batches))]
+           "--dtype", dtype, "--max-model-len", "1024", "--max-num-seqs", str(max(batches))]
     log = open(ROOT / "bench" / "results" / "vllm_server.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -164,6 +165,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2_ID)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="Tandem's and vLLM's (transformers runs float32)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--short", type=int, default=32, help="max_tokens of the shorter run")
     ap.add_argument("--long", type=int, default=96, help="max_tokens of the longer run")
@@ -179,19 +181,20 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     prompts = Prompts(0)
     result: dict = {
-        "model": args.model, "threads": args.threads, "prompt_len": PROMPT_LEN,
+        "model": args.model, "threads": args.threads, "dtype": args.dtype, "prompt_len": PROMPT_LEN,
         "decode_tokens_measured": f"{args.long} - {args.short} per sequence",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__},
     }
-    result["tandem"] = bench_tandem(folder, prompts, batches, args.short, args.long, args.threads)
+    result["tandem"] = bench_tandem(folder, prompts, batches, args.short, args.long, args.threads,
+                                    args.dtype)
     print(json.dumps({"tandem": result["tandem"]}), file=sys.stderr)
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(folder, prompts, batches, args.short, args.long)
         print(json.dumps({"transformers": result["transformers"]}), file=sys.stderr)
     if args.vllm_python:
         result["vllm_cpu"] = bench_vllm(args.vllm_python, folder, prompts, batches, args.short,
-                                        args.long, args.threads, args.vllm_port)
+                                        args.long, args.threads, args.vllm_port, args.dtype)
     ratios = {}
     t, hf, vl = result["tandem"], result.get("transformers"), result.get("vllm_cpu")
     top = max(batches)
