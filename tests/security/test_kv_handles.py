@@ -317,15 +317,14 @@ def test_a_bad_notification_does_not_stop_the_lease_watcher(nixl_pd, reference):
         assert time.monotonic() < deadline, "the bad notifications were not seen"
         agent.get_new_notifs()  # drives this agent's progress (no progress thread): sends go out
         time.sleep(0.05)
-    # The watcher lives: a pull goes through at once, and its lease is released.
+    # The watcher lives: a pull goes through (a dead watcher made it time out and fall back),
+    # and its lease is released.
     prompt = [(53 * j + 8) % 256 for j in range(16)]
-    t0 = time.monotonic()
     pre = p.prefill(f"notif-{uuid.uuid4().hex[:6]}", prompt, GREEDY)
     tokens, last = decode(d, f"notif-d-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"],
                           pre["kv_transfer_params"])
     assert tokens == expected(reference, prompt)
     assert last["timing"]["transfer_bytes"] > 0
-    assert time.monotonic() - t0 < 8  # not the 10 s pull timeout of a dead watcher
     wait_leases_free(p)
     agent.remove_remote_agent(name)
 
