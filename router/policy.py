@@ -111,6 +111,27 @@ class KVAwarePolicy:
         uncached = max(ctx.num_tokens - cached * ctx.block_size, 1)
         return (w.queued_tokens() + uncached) / self._rate(w), cached
 
+    def _around_backlog(self, ctx: RouteContext, decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
+        """Local prefill for any prompt while the prefill pool is backed up: when even the least
+        loaded prefill worker has at least this prompt's own uncached tokens queued, a decode
+        worker may prefill it (as Dynamo's conditional disaggregation does with queue depth).
+        Such a plan is priced honestly: its time to first token plus the stall it imposes on
+        every stream running there (each waits the whole prefill), weighted by
+        `local_prefill_stall_weight`, so it wins only where the queue costs more."""
+        s = self.s
+        queued = min(p.queued_tokens() for p in ctx.prefill)
+        out = []
+        for d in decode:
+            uncached = ctx.num_tokens - ctx.matches.get(d.worker_id, 0) * ctx.block_size
+            if queued < uncached:
+                continue
+            t_local, cached = self._prefill_s(d, ctx)
+            t_local *= 1 + s.local_prefill_interference * d.running()
+            stall = d.running() * uncached / self._rate(d)
+            price = t_local + s.local_prefill_stall_weight * stall
+            out.append((price, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
+        return out
+
     def choose(self, ctx: RouteContext) -> Plan:
         s = self.s
         rates = [w.prefill_tokens_per_s for w in ctx.prefill + ctx.decode + ctx.colocated
@@ -120,6 +141,7 @@ class KVAwarePolicy:
         self._fleet_bw = sum(bws) / len(bws) if bws else None
         local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
         transfer: list[tuple[float, WorkerInfo]] = []  # (weighted transfer seconds, decode worker)
+        others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
             held = ctx.matches.get(d.worker_id, 0)
             uncached = ctx.num_tokens - held * ctx.block_size
@@ -129,6 +151,8 @@ class KVAwarePolicy:
                 t_local, cached = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
                 local.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
+            else:
+                others.append(d)
             # Missing full blocks plus the partial tail block always move, at the bandwidth this
             # decode worker's pulls have measured (the fleet's, or the setting, until then).
             missing = max(ctx.num_blocks - held, 0) + (ctx.num_tokens % ctx.block_size > 0)
@@ -140,6 +164,8 @@ class KVAwarePolicy:
             t *= 1 + s.local_prefill_interference * c.running()
             local.append((t, _load_key(c), Plan("colocated", c, None, t, cached)))
         prefill = [(*self._prefill_s(p, ctx), p) for p in ctx.prefill] if transfer else []
+        if s.conditional_disagg and s.local_prefill_when_backed_up and prefill:
+            local += self._around_backlog(ctx, others)
         # A disaggregated plan costs prefill(p) + transfer(d): the two terms are independent, so
         # the search is over P + D workers, not P x D pairs (128 workers: 128 terms, not 4096).
         min_td = min((t for t, _ in transfer), default=math.inf)

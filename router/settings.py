@@ -59,6 +59,10 @@ class RouterSettings(BaseSettings):
     conditional_disagg: bool = True  # off: every request with a prefill pool goes disagg
     local_prefill_max_uncached_tokens: int = 256
     local_prefill_min_cached_fraction: float = 0.5
+    # ... or any prompt, while the prefill pool is backed up (its shortest queue holds at least
+    # the prompt's own uncached tokens), priced with the stall it costs D's running streams.
+    local_prefill_when_backed_up: bool = True
+    local_prefill_stall_weight: float = 1.0
     near_tie_s: float = 0.002
 
     @property

@@ -46,6 +46,23 @@ def test_conditional_disaggregation_and_its_switch():
     assert policy().choose(ctx(1000, {"d": 10}, [p], [d])).kind == "disagg"
 
 
+def test_a_backed_up_prefill_pool_is_routed_around():
+    """Local prefill for any prompt once the prefill queue is longer than the prompt itself, as
+    long as the stall it costs the decode worker's streams is cheaper than the wait."""
+    p, d = worker("p", "prefill"), worker("d", "decode")
+    assert policy().choose(ctx(800, {}, [p], [d])).kind == "disagg"  # idle pool: disaggregate
+    p.load = {"waiting_tokens": 4000}  # 4 s of queue at 1000 tok/s
+    assert policy().choose(ctx(800, {}, [p], [d])).kind == "decode_local"
+    assert policy(local_prefill_when_backed_up=False).choose(ctx(800, {}, [p], [d])).kind == "disagg"
+    assert policy(conditional_disagg=False).choose(ctx(800, {}, [p], [d])).kind == "disagg"
+    # Many streams running on D: 0.8 s of stall for each of 8 is dearer than the 4 s queue.
+    d.load = {"running": 8}
+    assert policy().choose(ctx(800, {}, [p], [d])).kind == "disagg"
+    # A queue shorter than the prompt is not a backlog: the prompt belongs on the prefill pool.
+    d.load, p.load = {}, {"waiting_tokens": 700}
+    assert policy().choose(ctx(800, {}, [p], [d])).kind == "disagg"
+
+
 def test_transfer_is_charged_at_the_measured_bandwidth():
     p = worker("p", "prefill")
     slow = worker("d-slow", "decode", transfer_bytes_per_s=5e6, block_bytes=400_000)
@@ -114,6 +131,12 @@ def _brute_force(pol, c: RouteContext):
             t, _ = pol._prefill_s(d, c)
             cands.append((t * (1 + s.local_prefill_interference * d.running()), "decode_local",
                           _key(d), d.worker_id, None))
+        elif s.local_prefill_when_backed_up and min(p.queued_tokens() for p in c.prefill) >= c.num_tokens - held * BS:
+            # The prefill pool is backed up: local prefill priced with the stall it imposes.
+            t, _ = pol._prefill_s(d, c)
+            stall = d.running() * (c.num_tokens - held * BS) / pol._rate(d)
+            cands.append((t * (1 + s.local_prefill_interference * d.running()) + s.local_prefill_stall_weight * stall,
+                          "decode_local", _key(d), d.worker_id, None))
         missing = max(c.num_blocks - held, 0) + (c.num_tokens % BS > 0)
         bw = d.transfer_bytes_per_s or pol._fleet_bw or s.default_transfer_bytes_per_s
         td = s.transfer_weight * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw)
