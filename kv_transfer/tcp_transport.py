@@ -1,5 +1,6 @@
 """TCP fallback transport for machines without NIXL: asyncio streams, length-prefixed JSON
-headers, block bytes in checksummed chunks.
+headers (each validated by its schema, `kv_transfer/tcp_wire.py`), block bytes in checksummed
+chunks.
 
     request  (receiver -> sender): {"op": "pull", "request_id", "block_ids", "token", "fp8"}
     response (sender -> receiver): {"ok": true, "num_bytes", "chunk_bytes"} then chunks of
@@ -17,22 +18,30 @@ asked-for blocks are the ones leased to that request id.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import struct
 import time
-from typing import Literal
 
 import numpy as np
 import torch
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from common.auth import secrets_equal
 from common.background import BackgroundErrors
-from common.bounds import BlockIds, Host, Port, RequestId
 from kv_transfer import kernels
 from kv_transfer.layout import KVLayout
+from kv_transfer.tcp_wire import (
+    ANSWER,
+    CHECKSUM,
+    REQUEST,
+    DoneHeader,
+    NotifyHeader,
+    PullHeader,
+    Refused,
+    TcpParams,
+    read_header,
+    write_header,
+)
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -42,78 +51,6 @@ from kv_transfer.transport import (
 )
 
 log = logging.getLogger(__name__)
-
-_HEADER = struct.Struct(">I")
-_CHECKSUM = struct.Struct("<Q")
-_MAX_HEADER = 16 << 20  # a pull of the largest BlockIds list fits
-MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 1 << 12, 1 << 28
-
-
-# Every header is validated against its schema: a peer's JSON is never indexed blindly.
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PullHeader(_Strict):
-    op: Literal["pull"]
-    request_id: RequestId
-    block_ids: BlockIds = Field(min_length=1)
-    token: str = Field("", max_length=4096)
-    fp8: bool = False
-
-
-class NotifyHeader(_Strict):
-    op: Literal["notify"]
-    request_id: RequestId
-    token: str = Field("", max_length=4096)
-
-
-class DoneHeader(_Strict):
-    op: Literal["done"]
-    request_id: RequestId
-
-
-class Accepted(_Strict):
-    ok: Literal[True]
-    num_bytes: int = Field(ge=0, le=1 << 40)
-    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
-
-
-class Refused(_Strict):
-    ok: Literal[False]
-    error: str = Field(max_length=4096)
-
-
-class TcpParams(BaseModel):
-    host: Host
-    port: Port
-
-
-_REQUEST = TypeAdapter(PullHeader | NotifyHeader)
-_ANSWER = TypeAdapter(Accepted | Refused)
-
-
-async def _write_header(writer: asyncio.StreamWriter, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    writer.write(_HEADER.pack(len(data)) + data)
-    await writer.drain()
-
-
-async def _read_header(reader: asyncio.StreamReader, schema):
-    """The next header, validated by `schema` (a model or TypeAdapter); TransferError if it is
-    too large, not JSON, or not of the schema."""
-    (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if n > _MAX_HEADER:
-        raise TransferError(f"header of {n} bytes is too large")
-    raw = await reader.readexactly(n)
-    try:
-        if isinstance(schema, TypeAdapter):
-            return schema.validate_json(raw)
-        return schema.model_validate_json(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise TransferError(f"invalid header: {'.'.join(map(str, first['loc']))}: {first['msg']}") from e
-
 
 class TcpTransport:
     name = "tcp"
@@ -174,10 +111,10 @@ class TcpTransport:
         try:
             try:
                 # A peer that trickles its header holds a connection, not a request: one deadline.
-                req = await asyncio.wait_for(_read_header(reader, _REQUEST),
+                req = await asyncio.wait_for(read_header(reader, REQUEST),
                                              self.config.handshake_timeout_s)
             except TransferError as e:
-                await _write_header(writer, {"ok": False, "error": str(e)})
+                await write_header(writer, {"ok": False, "error": str(e)})
                 raise
             if isinstance(req, NotifyHeader):
                 if self._token_ok(req.token) and self._check_lease(req.request_id):
@@ -185,7 +122,7 @@ class TcpTransport:
                 return
             error = self._refusal(req)
             if error:
-                await _write_header(writer, {"ok": False, "error": error})
+                await write_header(writer, {"ok": False, "error": error})
                 return
             block_ids = req.block_ids
             staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
@@ -196,14 +133,14 @@ class TcpTransport:
             else:
                 payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
             chunk = self.config.chunk_bytes
-            await _write_header(writer, {"ok": True, "num_bytes": int(payload.size), "chunk_bytes": chunk})
+            await write_header(writer, {"ok": True, "num_bytes": int(payload.size), "chunk_bytes": chunk})
             view = memoryview(payload)
             for start in range(0, payload.size, chunk):
                 piece = view[start : start + chunk]
-                writer.write(_CHECKSUM.pack(xxhash.xxh3_64_intdigest(piece)))
+                writer.write(CHECKSUM.pack(xxhash.xxh3_64_intdigest(piece)))
                 writer.write(piece)
                 await writer.drain()
-            done = await _read_header(reader, DoneHeader)
+            done = await read_header(reader, DoneHeader)
             if done.request_id == req.request_id:
                 self._done.append(req.request_id)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, TransferError) as e:
@@ -253,7 +190,7 @@ class TcpTransport:
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                self.config.pull_timeout_s)
-            await _write_header(writer, {"op": "notify", "request_id": request_id,
+            await write_header(writer, {"op": "notify", "request_id": request_id,
                                          "token": self.config.token or ""})
             writer.close()
         except (OSError, TimeoutError) as e:
@@ -283,10 +220,10 @@ class TcpTransport:
         reader, writer = await asyncio.open_connection(*self._address(peer))
         try:
             fp8 = self.config.fp8
-            await _write_header(writer, {"op": "pull", "request_id": request_id,
+            await write_header(writer, {"op": "pull", "request_id": request_id,
                                          "block_ids": list(remote_block_ids),
                                          "token": self.config.token or "", "fp8": fp8})
-            resp = await _read_header(reader, _ANSWER)
+            resp = await read_header(reader, ANSWER)
             if isinstance(resp, Refused):
                 raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.error}")
             n = len(remote_block_ids)
@@ -307,7 +244,7 @@ class TcpTransport:
             chunk = resp.chunk_bytes
             received = 0
             for start in range(0, expected, chunk):
-                (want,) = _CHECKSUM.unpack(await reader.readexactly(_CHECKSUM.size))
+                (want,) = CHECKSUM.unpack(await reader.readexactly(CHECKSUM.size))
                 size = min(chunk, expected - start)
                 data = await reader.readexactly(size)
                 if xxhash.xxh3_64_intdigest(data) != want:
@@ -322,7 +259,7 @@ class TcpTransport:
                 scales = torch.from_numpy(buf[num_q:].view(np.float32)).reshape(shape[:3])
                 staging = kernels.fp8_unpack(q, scales.to(self.kv_cache.device), self.kv_cache.dtype)
             kernels.scatter_blocks(self.kv_cache, local_block_ids, staging.to(self.kv_cache.device))
-            await _write_header(writer, {"op": "done", "request_id": request_id})
+            await write_header(writer, {"op": "done", "request_id": request_id})
         finally:
             writer.close()
         return PullStats(num_blocks=n, num_bytes=expected, seconds=time.perf_counter() - t0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -38,8 +39,8 @@ class WorkerState:
     # Set when the engine thread died: the process should exit with it (see on_engine_death).
     exit_code: int | None = None
     # What the edge (the CLI) gives to stop the server: called once after an engine failure.
-    request_shutdown: object = None
-    errors: BackgroundErrors = None  # built in __post_init__ on the worker's registry
+    request_shutdown: Callable[[], None] | None = None
+    errors: BackgroundErrors | None = None  # built in __post_init__ on the worker's registry
 
     def __post_init__(self) -> None:
         if self.errors is None:
@@ -97,7 +98,7 @@ class WorkerState:
             if self.publisher is not None:
                 await self.publisher.close(deregister=True)
                 self.publisher = None
-            if callable(self.request_shutdown):
+            if self.request_shutdown is not None:
                 self.request_shutdown()
 
         self._leaving = asyncio.get_running_loop().create_task(leave(), name="engine-death")

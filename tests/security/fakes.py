@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import threading
 
+from kv_transfer.tcp_wire import HEADER as _HEADER
 from tests.worker.cluster import free_port
-
-_HEADER = struct.Struct(">I")
 
 
 class FakePeer:
