@@ -11,8 +11,6 @@ worker rewrites its whole set, so a restarted or emptied Redis heals itself.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -22,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.auth import secrets_equal, sign_json
 from common.background import BackgroundErrors
 from common.hashing import hash_member
 
@@ -88,7 +87,7 @@ class WorkerRegistration(BaseModel):
         info: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
         if token:
             given = info.get("signature", "")
-            if not hmac.compare_digest(given.encode(), registration_signature(worker_id, info, token).encode()):
+            if not secrets_equal(given, registration_signature(worker_id, info, token)):
                 raise ValueError("not signed with this cluster's internal token")
         info["load"] = WorkerLoad.model_validate_json(info.get("load") or "{}")
         for key in ("max_model_len", "block_bytes"):
@@ -102,8 +101,7 @@ def registration_signature(worker_id: str, fields: dict[str, str], token: str) -
     but the changing `load`), so a router that holds the token only routes to (and sends the
     token to) workers that hold it too: writing a hash into Redis does not make a worker."""
     static = {k: v for k, v in fields.items() if k not in ("load", "signature")}
-    payload = json.dumps({"worker_id": worker_id, **static}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(token.encode(), payload.encode(), hashlib.sha256).hexdigest()
+    return sign_json({"worker_id": worker_id, **static}, token)
 
 
 @dataclass

@@ -15,12 +15,9 @@ only the prompt checks apply.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import time
 
-from common.auth import secrets_equal
+from common.auth import secrets_equal, sign_json
 from common.hashing import hash_tokens
 from common.protocol import KVTransferParams
 
@@ -35,13 +32,8 @@ class InvalidHandle(ValueError):
     """A handle this worker will not pull with; the request is prefilled locally instead."""
 
 
-def canonical(fields: dict) -> bytes:
-    return json.dumps({k: fields.get(k) for k in SIGNED_FIELDS}, sort_keys=True,
-                      separators=(",", ":")).encode()
-
-
 def signature(fields: dict, token: str) -> str:
-    return hmac.new(token.encode(), canonical(fields), hashlib.sha256).hexdigest()
+    return sign_json({k: fields.get(k) for k in SIGNED_FIELDS}, token)
 
 
 def sign(fields: dict, token: str | None) -> dict:
