@@ -29,6 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=float, default=1.0, help="KV cache size in GiB")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
+                   help="keep F.linear instead of oneDNN-prepacked weights on CPU float32")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -43,6 +45,7 @@ def _engine_config(args: argparse.Namespace):
         kv_memory_bytes=int(args.kv_memory * (1 << 30)),
         block_size=args.block_size,
         num_threads=args.threads,
+        pack_weights=args.pack_weights,
     )
 
 
@@ -125,7 +128,8 @@ def _worker_kwargs(args: argparse.Namespace) -> dict:
         heartbeat_ttl_s=args.heartbeat_ttl,
         internal_token=args.internal_token or os.environ.get("TANDEM_INTERNAL_TOKEN"),
         device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, kv_memory_gb=args.kv_memory,
-        block_size=args.block_size, threads=args.threads, transport=args.transport,
+        block_size=args.block_size, threads=args.threads, pack_weights=args.pack_weights,
+        transport=args.transport,
         transport_port=args.transport_port,
         lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -55,9 +55,12 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        # [nd, max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]
-        k = kv_cache[:, 0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        v = kv_cache[:, 1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
+        # blocks is 3-5x faster than advanced indexing of this strided view (bench/cpu_ops.py).
+        nd_, max_blocks = meta.decode_block_tables.shape
+        flat = meta.decode_block_tables.view(-1)
+        k = _gather_blocks(kv_cache[:, 0], flat).view(nd_, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather_blocks(kv_cache[:, 1], flat).view(nd_, -1, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
         od = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -72,8 +75,8 @@ def paged_attention(
             v = v_new[s : s + n].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k = kv_cache[:, 0][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            v = kv_cache[:, 1][chunk.block_table].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            k = _gather_blocks(kv_cache[:, 0], chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+            v = _gather_blocks(kv_cache[:, 1], chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
             v = v.transpose(0, 1).unsqueeze(0)
             # Query i sits at absolute position ctx - n + i and sees keys 0..ctx - n + i.
@@ -83,3 +86,10 @@ def paged_attention(
             op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, kvh, d], one layer's K or V (strided view)
+    block_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [n, block_size, kvh, d], contiguous
+    return torch.index_select(cache, 0, block_ids)

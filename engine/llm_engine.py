@@ -19,6 +19,7 @@ from common.hashing import BlockHasher
 from engine.block_pool import BlockPool, KVEvent
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.linear import packing_supported
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
@@ -81,6 +82,8 @@ class LLMEngine:
         model = model.to(self.dtype).to_empty(device=self.device)
         load_weights(model, self.folder)
         model.model.rope.init_tables(self.device)
+        if config.pack_weights and packing_supported(self.device, self.dtype):
+            model.pack_weights()
         self.model = model.eval()
 
         self.block_size = config.block_size
@@ -147,7 +150,7 @@ class LLMEngine:
             if not params.greedy:
                 # Continue the stream of random draws where the tokens given were sampled
                 # (by a prefill worker, or before a failure), so P/D equals one engine.
-                self.sampler.skip(seq.generator, len(out), self.model_config.vocab_size)
+                self.sampler.skip(seq.generator, len(out))
         seq.text_stream = self.tokenizer.decode_stream(params.skip_special_tokens)
         for t in out:
             seq.text += seq.text_stream.step(t)

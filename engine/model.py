@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.linear import PackedLinear, pack_linears
 from engine.rope import RotaryEmbedding
 
 
@@ -106,6 +107,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None
+
+    def pack_weights(self) -> None:
+        """Reorder every matmul weight for oneDNN (CPU float32; see engine/linear.py). The
+        embedding stays as it is for the lookup; a tied LM head gets a packed copy."""
+        pack_linears(self)
+        self.packed_head = (PackedLinear(self.model.embed_tokens.weight, None)
+                            if self.lm_head is None else self.lm_head)
 
     def forward(
         self,
@@ -120,5 +129,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -31,10 +31,23 @@ class Sampler:
         rows = [i for i, g in enumerate(greedy) if not g]
         if rows:
             probs = self._probs(logits[rows], [seqs[i] for i in rows])  # [len(rows), vocab]
+            # Inverse-CDF sampling: the first token whose cumulative probability exceeds u,
+            # u ~ U[0, total). One uniform per row (the exponential race drew a whole vocabulary
+            # of exponentials: 1.1 ms a row on this CPU against 0.03 ms). A seeded request draws
+            # from its own generator, so P/D and resume replay it exactly (see `skip`); the rest
+            # share one draw from the engine's generator.
+            cdf = probs.cumsum(dim=-1)  # [len(rows), vocab]
+            u = torch.empty(len(rows), 1, device=probs.device)
+            shared = [j for j, r in enumerate(rows) if seqs[r].generator is None]
+            if shared:
+                u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=probs.device)
             for j, r in enumerate(rows):
-                gen = seqs[r].generator or self.generator
-                q = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
-                token_ids[r] = int((probs[j] / q).argmax())
+                if seqs[r].generator is not None:
+                    u[j] = torch.rand(1, generator=seqs[r].generator, device=probs.device)
+            # right=True never lands on a zero-probability token; u < 1 keeps it inside the vocab.
+            picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+            for j, t in enumerate(picked.view(-1).tolist()):
+                token_ids[rows[j]] = t
 
         logprobs: list[Logprob | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -51,10 +64,10 @@ class Sampler:
         return token_ids, logprobs
 
     @staticmethod
-    def skip(generator: torch.Generator, num_samples: int, vocab: int) -> None:
-        """Advance `generator` past `num_samples` samples (each draws `vocab` exponentials)."""
+    def skip(generator: torch.Generator, num_samples: int) -> None:
+        """Advance `generator` past `num_samples` samples (each draws one uniform)."""
         for _ in range(num_samples):
-            torch.empty(vocab, device=generator.device).exponential_(generator=generator)
+            torch.rand(1, generator=generator, device=generator.device)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

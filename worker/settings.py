@@ -35,6 +35,7 @@ class WorkerSettings(BaseSettings):
     kv_memory_gb: float = 1.0
     block_size: int = 16
     threads: int | None = None
+    pack_weights: bool = True  # oneDNN-prepacked matmuls on CPU float32 (engine/linear.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

