@@ -13,10 +13,7 @@ Targets, all on the same cores, one after another:
 - `vllm-pd`: a vLLM prefill and a vLLM decode server (NixlConnector on host memory, one core
   each) behind `vllm-router --vllm-pd-disaggregation`.
 
-With `--mixed`, each target also serves `tandem bench --workload mixed` (32 requests, half
-long prompts with 4-token answers, half short prompts with 48-token answers, 4 in flight) on a
-fresh start: the disaggregation claim (P/D's ITL p99 against a colocated server on the same
-cores) in bench/results/serving_mixed.{json,md}.
+With `--mixed`, each target serves the mixed workload instead (bench/serving_mixed.py).
 
 aiperf runs chat streaming with synthetic prompts of `--input-tokens`, `--output-tokens` output
 tokens (ignore_eos), `--requests` requests (at least 3x the concurrency), seed 7 + repeat. Writes
@@ -188,64 +185,6 @@ def run_aiperf(args, url: str, folder: Path, conc: int, isl: int, seed: int, out
             "requests": requests}
 
 
-def run_mixed(url: str, rep: int, out: Path) -> dict:
-    from loadgen.bench import run
-
-    s = run(f"{url}/v1", MODEL, "mixed", 32, concurrency=4, seed=rep, out_dir=out, name="mixed")
-    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-    return {"ttft_p50_ms": ms(s["ttft_s"]["p50"]), "ttft_p99_ms": ms(s["ttft_s"]["p99"]),
-            "itl_p50_ms": ms(s["itl_s"]["p50"]), "itl_p99_ms": ms(s["itl_s"]["p99"]),
-            "output_tok_s": s["output_tokens_per_s"], "ok": s["ok"], "requests": s["requests"]}
-
-
-def mixed_markdown(summary: list[dict], base_target: str) -> str:
-    lines = ["| target | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s "
-             f"| ITL p99 / {base_target}'s | tok/s / {base_target}'s |", "|" + "---|" * 8]
-    base = next((s for s in summary if s["target"] == base_target), None)
-
-    def f(v):
-        return "–" if v is None else f"{v:.1f}"
-
-    def r(s, key):
-        if not base or not base.get(key) or not s.get(key):
-            return "–"
-        return f"{s[key] / base[key]:.2f}×"
-
-    for s in summary:
-        lines.append(f"| {s['target']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p99_ms'])} | {f(s['itl_p50_ms'])} "
-                     f"| {f(s['itl_p99_ms'])} | {f(s['output_tok_s'])} | {r(s, 'itl_p99_ms')} "
-                     f"| {r(s, 'output_tok_s')} |")
-    return "\n".join(lines) + "\n"
-
-
-def main_mixed(args, targets: list[str], folder: Path, work: Path) -> None:
-    runs = []
-    for target in targets:
-        for rep in range(args.repeats):
-            name = f"mixed-{target}-r{rep}"
-            procs = Procs(work / name)
-            procs.logs.mkdir()
-            try:
-                url = start_target(target, args, folder, procs, 2048)
-                res = run_mixed(url, rep, work / name)
-            except Exception as e:  # noqa: BLE001 - one failed arm is reported, not fatal
-                res = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                procs.stop()
-            runs.append({"target": target, "repeat": rep, **res})
-            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    summary = []
-    for target in targets:
-        rs = [r for r in runs if r["target"] == target and "error" not in r]
-        summary.append({"target": target, "num_runs": len(rs),
-                        **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                                      "itl_p99_ms", "output_tok_s")}})
-    (RESULTS / "serving_mixed.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
-    md = mixed_markdown(summary, "vllm")
-    (RESULTS / "serving_mixed.md").write_text(md)
-    print(md)
-
-
 def median(runs: list[dict], key: str) -> float | None:
     vals = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -301,6 +240,8 @@ def main() -> int:
     work = RESULTS / f"serving-{stamp}"
     work.mkdir(parents=True, exist_ok=True)
     if args.mixed:
+        from serving_mixed import main_mixed  # bench/ is on sys.path when run as a script
+
         main_mixed(args, targets, folder, work)
         return 0
     runs: list[dict] = []
