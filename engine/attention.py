@@ -57,10 +57,9 @@ def paged_attention(
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
         # blocks is 3-5x faster than advanced indexing of this strided view (bench/cpu_ops.py).
-        nd_, max_blocks = meta.decode_block_tables.shape
         flat = meta.decode_block_tables.view(-1)
-        k = _gather_blocks(kv_cache[:, 0], flat).view(nd_, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = _gather_blocks(kv_cache[:, 1], flat).view(nd_, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = _gather_blocks(kv_cache[:, 0], flat).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
         od = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True

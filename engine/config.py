@@ -130,7 +130,8 @@ class EngineConfig:
     hash_salt: str | None = None
     seed: int = 0
     num_threads: int | None = None
-    # Reorder weights once for oneDNN where supported (CPU float32): 1.6-2.5x faster decode.
+    # Reorder weights once for oneDNN where supported (CPU float32): 1.6-2.5x faster matmuls at
+    # decode batch sizes (engine/linear.py).
     pack_weights: bool = True
 
     def __post_init__(self) -> None:

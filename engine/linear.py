@@ -4,12 +4,12 @@ On CPU, `F.linear` hands a small-batch matmul (the decode step: a handful of row
 weight of tens of MB) to MKL, which streams the weight in a layout that wastes most of the
 memory bandwidth: on the 2-core development machine a SmolLM2 decode step at 4 rows took 81 ms
 in `aten::mm`. oneDNN, given the weight reordered once into its own blocked layout, does the
-same matmul at 2.5x that speed for 2-16 rows and is not slower for prefill-sized batches
+same matmul at 1.6-2.5x that speed for 2-16 rows and is not slower for prefill-sized batches
 (`bench/cpu_ops.py` prints the table). That is what vLLM's CPU backend does too.
 
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` holding the reordered weight;
-`packed_head(weight)` packs the LM head (often the tied embedding, which stays as it is for the
-lookup). Only for float32 on CPU with oneDNN present; elsewhere `packing_supported` is False and
+`LlamaForCausalLM.pack_weights` also packs a copy of a tied LM head (the embedding stays as it is
+for the lookup). Only for float32 on CPU with oneDNN present; elsewhere `packing_supported` is False and
 the model keeps its `nn.Linear`s.
 """
 
