@@ -9,6 +9,8 @@ CPU, engine against engine and P/D against P/D, every run on fresh processes (a 
 Targets, all on the same cores, one after another:
 - `vllm`: one vLLM CPU server, `OMP_NUM_THREADS=--threads`;
 - `colocated`: one Tandem colocated worker, `--threads`, its own /v1/chat/completions;
+- `colocated-thread`, `colocated-proc`, `pd-thread`, `pd-proc`: the same with the engine on a
+  thread of each worker or in its own process (`--[no-]engine-process`);
 - `pd`: `tandem up --prefill 1 --decode 1`, one thread per worker, through the router;
 - `vllm-pd`: a vLLM prefill and a vLLM decode server (NixlConnector on host memory, one core
   each) behind `vllm-router --vllm-pd-disaggregation`.
@@ -110,11 +112,17 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
                     {**vllm_env, "OMP_NUM_THREADS": str(args.threads)})
         wait_ok(f"http://127.0.0.1:{port}/health", procs)
         return f"http://127.0.0.1:{port}"
+    # `-thread` / `-proc`: the Tandem targets with the engine on a thread of the worker or in
+    # its own process (TANDEM_ENGINE_PROCESS reaches every worker `tandem up` starts).
+    engine_env = {}
+    for suffix, value in (("-thread", "false"), ("-proc", "true")):
+        if target.endswith(suffix) and target.startswith(("colocated", "pd")):
+            target, engine_env = target.removesuffix(suffix), {"TANDEM_ENGINE_PROCESS": value}
     if target == "colocated":
         port = free_port()
-        procs.start("colocated", [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model", str(folder),
-                                  "--port", str(port), "--threads", str(args.threads),
-                                  "--kv-memory", "2", "--max-model-len", str(max_len)])
+        procs.start(target, [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model", str(folder),
+                             "--port", str(port), "--threads", str(args.threads),
+                             "--kv-memory", "2", "--max-model-len", str(max_len)], engine_env)
         wait_ok(f"http://127.0.0.1:{port}/ready", procs)
         return f"http://127.0.0.1:{port}"
     if target == "pd":
@@ -122,7 +130,7 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
         # By name, not path: the router serves the model under the name it was given.
         procs.start("tandem-up", [str(ROOT / ".venv" / "bin" / "tandem"), "up", "--model", MODEL,
                                   "--port", str(port), "--prefill", "1", "--decode", "1", "--threads", "1",
-                                  "--namespace", f"bench-serving-{uuid.uuid4().hex[:8]}"])
+                                  "--namespace", f"bench-serving-{uuid.uuid4().hex[:8]}"], engine_env)
         wait_ok(f"http://127.0.0.1:{port}/ready", procs,
                 check=lambda b: len(json.loads(b).get("workers", [])) >= 2)
         return f"http://127.0.0.1:{port}"

@@ -102,6 +102,9 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="step the engine in its own process beside the API process (default; "
+                        "CPU only), or on a thread of it (--no-engine-process)")
     p.add_argument("--max-lease-seconds", type=float, default=120.0,
                    help="the longest a /prefill caller may pin exported blocks for")
     p.add_argument("--insecure", action="store_true",
@@ -134,7 +137,7 @@ def _worker_kwargs(args: argparse.Namespace) -> dict:
         lease_seconds=args.lease_seconds, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_queue=args.max_queue, insecure=args.insecure, max_lease_seconds=args.max_lease_seconds,
-        fault_injection=args.enable_fault_injection,
+        fault_injection=args.enable_fault_injection, engine_process=args.engine_process,
     )
 
 

@@ -1,6 +1,8 @@
-"""The async edge of the engine: the synchronous `LLMEngine` runs on one dedicated thread;
-coroutines hand it work through `call` (any function of the engine, run between steps) and read
-a request's outputs from an asyncio queue. Block events are passed to a callback after each step.
+"""The async edge of the engine, in-process: the synchronous `LLMEngine` runs on one dedicated
+thread; coroutines hand it work through `call` (a method of the engine by name, run between
+steps) and read a request's outputs from an asyncio queue. Block events are passed to a callback
+after each step. `engine/core_client.py` offers the same surface with the engine in its own
+process.
 """
 
 from __future__ import annotations
@@ -9,32 +11,31 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from engine.block_pool import KVEvent
-from engine.llm_engine import DuplicateRequestId, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.engine_client import EngineClient, EngineDeadError, InjectedFault
+from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    pass
+def _fail() -> None:
+    raise InjectedFault("injected engine fault")
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """`on_death(error)` runs on the event loop once, after the engine thread died of `error` and
     every waiter (streams and pending calls) has been failed with `EngineDeadError`."""
 
     def __init__(self, engine: LLMEngine, on_events: Callable[[list[KVEvent]], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__()
         self.engine = engine
         self._on_events = on_events
         self._on_death = on_death
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
         self._calls: set[asyncio.Future] = set()  # calls queued or running on the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -42,7 +43,7 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -88,15 +89,8 @@ class AsyncEngine:
         cmd()
         return True
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            q = self._streams.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
-
     def _fail_all(self, error: BaseException) -> None:
-        for q in self._streams.values():
-            q.put_nowait(error)
+        self._fail_streams(error)
         # A call queued behind the fatal step would never run: fail it rather than hang.
         for fut in list(self._calls):
             _set_exception(fut, EngineDeadError(f"engine failed: {error}"))
@@ -106,10 +100,20 @@ class AsyncEngine:
 
     # ---- calls --------------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the engine thread between steps; return (or raise) its result."""
+    @property
+    def core(self) -> LLMEngine:
+        """What the worker reads of the engine (model id, tokenizer, hasher, KV cache, sizes)."""
+        return self.engine
+
+    def stats(self) -> dict[str, int]:
+        # Read from the event loop while the engine thread runs: figures, not invariants.
+        return self.engine.stats()
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run the engine's `method(*args)` between steps; return (or raise) its result."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error}")
+        fn = getattr(self.engine, method)
         fut = self._loop.create_future()
         self._calls.add(fut)
         fut.add_done_callback(self._calls.discard)
@@ -125,64 +129,14 @@ class AsyncEngine:
         self._commands.put(run)
         return await fut
 
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Fire and forget `fn(*args)` on the engine thread."""
+    def post(self, method: str, *args: Any) -> None:
+        """Fire and forget the engine's `method(*args)`."""
+        fn = getattr(self.engine, method)
         self._commands.put(lambda: fn(*args))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        if request_id in self._streams:
-            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = q
-        return q
-
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    async def outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; aborts it if the consumer goes away."""
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine failed: {item}") from item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self.close_stream(request_id)
-            if not finished and self.alive:
-                self.post(self.engine.abort_request, request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request (waiting, running, importing or held); its stream ends with 'abort'."""
-        out = await self.call(self.engine.abort_request, request_id)
-        if out is None:
-            return False
-        q = self._streams.get(request_id)
-        if q is not None:
-            q.put_nowait(out)
-        return True
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_token_ids: list[int] | None = None,
-        hold_blocks: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
-        q = self.open_stream(request_id)
-        try:
-            await self.call(self.engine.add_request, request_id, prompt_token_ids, params,
-                            output_token_ids, hold_blocks)
-        except BaseException:
-            self.close_stream(request_id)
-            raise
-        async for out in self.outputs(request_id, q):
-            yield out
+    def inject_fault(self) -> None:
+        """Make the engine loop fail as a bug in a model step would (fault-injection builds)."""
+        self._commands.put(_fail)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

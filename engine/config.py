@@ -133,6 +133,10 @@ class EngineConfig:
     # Reorder weights once for oneDNN where supported (CPU float32): 1.6-2.5x faster matmuls at
     # decode batch sizes (engine/linear.py).
     pack_weights: bool = True
+    # Back the KV cache with this file (on CPU, a shared mapping in /dev/shm) instead of private
+    # memory, so the worker's API process, which runs the KV transfer, maps the same blocks as
+    # the engine-core process that computes them (engine/core_client.py).
+    kv_cache_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -55,6 +55,25 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      path: str | None = None) -> torch.Tensor:
+    """A zeroed KV cache; with `path` (CPU only), a shared file mapping that another process
+    maps with `map_kv_cache(path, shape, dtype)`."""
+    if path is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        raise ValueError("a file-backed KV cache needs the CPU device")
+    return map_kv_cache(path, shape, dtype).zero_()
+
+
+def map_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map the file-backed KV cache at `path` (created if missing) with MAP_SHARED."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
 class DuplicateRequestId(ValueError):
     """A request id that a running, held or importing request already has."""
 
@@ -91,11 +110,9 @@ class LLMEngine:
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one registrable
         # region in which each block (all layers, K and V) is one contiguous run, so moving a
         # block to another worker is one descriptor (see kv_transfer/layout.py).
-        self.kv_cache = torch.zeros(
+        self.kv_cache = allocate_kv_cache(
             (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+            self.dtype, self.device, config.kv_cache_path)
         self.hasher = BlockHasher(self.model_id, self.block_size, config.hash_salt)
         self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
@@ -165,14 +182,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
-    ) -> Sequence:
+    ) -> None:
         """Queue a request. `output_token_ids` continue an earlier stream (resume)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
                                  output_token_ids)
         seq.hold_blocks = hold_blocks
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        return seq
 
     def add_imported_request(
         self,
@@ -199,6 +215,19 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.importing[request_id] = seq
         return seq, len(prefix)
+
+    def import_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+    ) -> tuple[list[int], int]:
+        """`add_imported_request` for a caller in another thread or process: returns the
+        request's block table (a copy) and how many leading blocks are already here."""
+        seq, num_local = self.add_imported_request(request_id, prompt_token_ids, params,
+                                                   output_token_ids)
+        return list(seq.block_table), num_local
 
     def finish_import(self, request_id: str, success: bool) -> bool:
         """The transfer filled the blocks (join the batch) or failed (prefill locally instead).
@@ -246,6 +275,23 @@ class LLMEngine:
 
     def drain_events(self) -> list[KVEvent]:
         return self.pool.drain_events()
+
+    def cached_hashes(self) -> list[int]:
+        """Every cached block hash, for a full rewrite of this worker's block set; the events
+        not yet drained are reflected in it, so they are dropped."""
+        self.pool.drain_events()
+        return self.pool.cached_hashes()
+
+    def stats(self) -> dict[str, int]:
+        """The load figures the worker publishes and exports as metrics."""
+        s = self.scheduler
+        return {
+            "running": len(s.running), "waiting": len(s.waiting),
+            "free_blocks": self.pool.num_free_blocks, "num_blocks": self.num_blocks,
+            "held": len(self.held), "importing": len(self.importing),
+            "waiting_tokens": sum(seq.num_tokens - seq.num_computed_tokens
+                                  for seq in list(s.waiting)),
+        }
 
     # ---- stepping -------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if state.engine is not None:
-            state.metrics.sample_engine(state.core)
+            state.metrics.sample_engine(state.engine.stats())
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -91,10 +91,7 @@ def fault_router(state: WorkerState):
 
     @router.post("/debug/engine-fault")
     async def engine_fault() -> dict:
-        def fail() -> None:
-            raise RuntimeError("injected engine fault")
-
-        state.engine.post(fail)
+        state.engine.inject_fault()
         return {"injected": True}
 
     return router

@@ -6,7 +6,7 @@ from fastapi import Request
 
 from common.errors import APIError, error_body, error_response
 from common.errors import install_error_handlers as _install_common
-from engine.async_engine import EngineDeadError
+from engine.engine_client import EngineDeadError
 from engine.llm_engine import DuplicateRequestId
 
 __all__ = ["APIError", "error_body", "install_error_handlers", "api_error"]

@@ -21,7 +21,7 @@ from common.protocol import (
     TokenLogprob,
 )
 from common.streams import prepend
-from engine.async_engine import EngineDeadError
+from engine.engine_client import EngineDeadError
 from engine.llm_engine import DuplicateRequestId, RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer import handle
@@ -73,9 +73,9 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     done = not always_export and (out.finish_reason == "stop" or params.max_tokens <= 1)
     kv = KVTransferParams()
     if done or state.connector is None:
-        await engine.call(core.release, request_id)
+        await engine.call("release", request_id)
     else:
-        block_ids = await engine.call(core.block_table, request_id)
+        block_ids = await engine.call("block_table", request_id)
         exported = state.connector.export(request_id, block_ids, lease_seconds)
         fields = dict(do_remote_prefill=True, remote_host=s.public_host, remote_port=s.port,
                       block_hashes=core.hasher(prompt), num_tokens=len(prompt),
@@ -108,7 +108,7 @@ async def stream_generate(
 ) -> AsyncIterator[tuple[RequestOutput, RequestTiming | None]]:
     """Outputs of one decode request, the last one with its timing; with remote KV it imports
     first, falling back to local prefill if the pull fails."""
-    engine, core = state.engine, state.core
+    engine = state.engine
     rid = req.request_id
     kvp = req.kv_transfer_params
     t0 = time.monotonic()
@@ -127,7 +127,7 @@ async def stream_generate(
         if remote:
             try:
                 block_table, num_local = await engine.call(
-                    _import, core, rid, req.prompt_token_ids, params, req.output_token_ids)
+                    "import_request", rid, req.prompt_token_ids, params, req.output_token_ids)
             except MemoryError as e:
                 raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
             except ValueError as e:
@@ -136,11 +136,11 @@ async def stream_generate(
             ok, transfer_bytes = await _pull(state, kvp, rid, block_table, num_local,
                                              len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
             transfer_s = time.monotonic() - t0
-            if not await engine.call(core.finish_import, rid, ok):
+            if not await engine.call("finish_import", rid, ok):
                 return  # aborted while pulling
         else:
             try:
-                await engine.call(core.add_request, rid, req.prompt_token_ids, params,
+                await engine.call("add_request", rid, req.prompt_token_ids, params,
                                   req.output_token_ids)
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
@@ -164,7 +164,7 @@ async def stream_generate(
     finally:
         engine.close_stream(rid)
         if added and engine.alive:
-            engine.post(core.abort_request, rid)
+            engine.post("abort_request", rid)
 
 
 def _handle_ok(state: WorkerState, kvp: KVTransferParams, prompt: list[int], rid: str) -> bool:
@@ -179,11 +179,6 @@ def _handle_ok(state: WorkerState, kvp: KVTransferParams, prompt: list[int], rid
         log.warning("refused a KV handle (%s); prefilling locally", e, extra={"request_id": rid})
         return False
     return True
-
-
-def _import(core, rid, prompt, params, output_token_ids):
-    seq, num_local = core.add_imported_request(rid, prompt, params, output_token_ids)
-    return list(seq.block_table), num_local
 
 
 async def _pull(state: WorkerState, kvp: KVTransferParams, rid: str, block_table: list[int],

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.llm_engine import LLMEngine
-
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -38,11 +36,10 @@ class WorkerMetrics:
         self.held_requests = Gauge("tandem_worker_held_requests",
                                    "Prefilled requests holding blocks for export", registry=registry)
 
-    def sample_engine(self, engine: LLMEngine) -> None:
-        s = engine.scheduler
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        free = engine.pool.num_free_blocks
-        self.free_blocks.set(free)
-        self.kv_usage.set(1 - free / engine.num_blocks)
-        self.held_requests.set(len(engine.held))
+    def sample_engine(self, stats: dict[str, int]) -> None:
+        """Set the gauges from an engine's `stats()`."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.free_blocks.set(stats["free_blocks"])
+        self.kv_usage.set(1 - stats["free_blocks"] / stats["num_blocks"])
+        self.held_requests.set(stats["held"])

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any
@@ -37,11 +38,16 @@ from common.bounds import (
 )
 from common.protocol import GenerateRequest, KVTransferParams
 from common.streams import prepend
+from engine.engine_client import EngineDeadError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError
 from worker.errors import APIError
 from worker.internal_api import run_prefill, stream_generate
 from worker.state import WorkerState
+
+
+class _StreamOptions(BaseModel):
+    include_usage: bool = False
 
 
 class _OpenAIBase(BaseModel):
@@ -63,6 +69,7 @@ class _OpenAIBase(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     stream: bool = False
+    stream_options: _StreamOptions | None = None
     kv_transfer_params: KVTransferParams | None = None
 
 
@@ -135,12 +142,26 @@ def openai_router(state: WorkerState) -> APIRouter:
         if body.stream:
             first = await anext(items)
 
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
             async def sse():
                 sent = ""  # cumulative text: deltas never split a multi-byte character
-                async for out, _ in prepend([first], items):
-                    delta, sent = out.text[len(sent):], out.text
-                    yield _sse_chunk(obj, rid, created, core.model_id, delta, out.new_token_ids,
-                                     out.finish_reason, chat)
+                num_output = 0
+                try:
+                    async for out, _ in prepend([first], items):
+                        delta, sent = out.text[len(sent):], out.text
+                        num_output = len(out.token_ids)
+                        yield _sse_chunk(obj, rid, created, core.model_id, delta,
+                                         out.new_token_ids, out.finish_reason, chat)
+                except EngineDeadError as e:
+                    # Headers are sent: end the stream with an error event, not a cut connection.
+                    yield _sse_json({"error": {"message": str(e), "type": "server_error",
+                                               "param": None, "code": 503}})
+                    return
+                if include_usage:
+                    yield _sse_json({"id": rid, "object": "chat.completion.chunk" if chat else obj,
+                                     "created": created, "model": core.model_id, "choices": [],
+                                     "usage": _usage(len(ids), num_output)})
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
@@ -186,21 +207,27 @@ def _body(obj, rid, created, model, text, token_ids, finish, n_prompt, n_out, ch
         choice["text"] = text
         choice["logprobs"] = None
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                      "total_tokens": n_prompt + n_out}}
+            "usage": _usage(n_prompt, n_out)}
     if kvp is not None:
         body["kv_transfer_params"] = kvp
     return body
 
 
-def _sse_chunk(obj, rid, created, model, delta, token_ids, finish, chat) -> bytes:
-    import json
+def _usage(num_prompt: int, num_output: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output}
 
+
+def _sse_json(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _sse_chunk(obj, rid, created, model, delta, token_ids, finish, chat) -> bytes:
     if chat:
         choice = {"index": 0, "delta": {"content": delta}, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": delta, "finish_reason": finish}
     choice["token_ids"] = token_ids
-    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    return f"data: {json.dumps(chunk)}\n\n".encode()
+    return _sse_json({"id": rid, "object": obj, "created": created, "model": model,
+                      "choices": [choice]})

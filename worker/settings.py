@@ -36,6 +36,9 @@ class WorkerSettings(BaseSettings):
     block_size: int = 16
     threads: int | None = None
     pack_weights: bool = True  # oneDNN-prepacked matmuls on CPU float32 (engine/linear.py)
+    # HTTP, streaming and KV transfer never wait on the engine for the GIL; a CUDA worker steps
+    # on a thread of the API process.
+    engine_process: bool = True  # step the engine in its own process on CPU (engine/core_client.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

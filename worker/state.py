@@ -14,6 +14,8 @@ from common.background import BackgroundErrors
 from common.registry import RedisKeys, WorkerPublisher
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core_client import CoreView, ProcessEngine
+from engine.engine_client import EngineClient
 from engine.llm_engine import LLMEngine
 from kv_transfer.connector import KVConnector
 from kv_transfer.layout import KVLayout
@@ -30,7 +32,7 @@ class WorkerState:
     settings: WorkerSettings
     registry: CollectorRegistry
     metrics: WorkerMetrics
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     connector: KVConnector | None = None
     publisher: WorkerPublisher | None = None
     ready: bool = False
@@ -47,8 +49,9 @@ class WorkerState:
             self.errors = BackgroundErrors(self.registry)
 
     @property
-    def core(self) -> LLMEngine:
-        return self.engine.engine
+    def core(self) -> LLMEngine | CoreView:
+        """What the API reads of the engine (model id, tokenizer, hasher, KV cache, sizes)."""
+        return self.engine.core
 
     async def start(self) -> None:
         s = self.settings
@@ -59,9 +62,17 @@ class WorkerState:
             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
             num_threads=s.threads, pack_weights=s.pack_weights,
         )
-        core = await asyncio.to_thread(LLMEngine, config)
-        self.engine = AsyncEngine(core, on_events=self._on_events, on_death=self.on_engine_death)
-        self.engine.start()
+        if s.engine_process and not s.device.startswith("cpu"):
+            log.info("engine on a thread: the engine-core process needs the CPU device")
+        if s.engine_process and s.device.startswith("cpu"):
+            self.engine = ProcessEngine(config, on_events=self._on_events,
+                                        on_death=self.on_engine_death,
+                                        log_level=logging.getLogger().getEffectiveLevel())
+        else:
+            llm = await asyncio.to_thread(LLMEngine, config)
+            self.engine = AsyncEngine(llm, on_events=self._on_events, on_death=self.on_engine_death)
+        await self.engine.start()
+        core = self.core
         if s.role != "colocated":
             transport = s.transport or default_transport_name()
             tconfig = TransportConfig(engine_id=s.resolved_worker_id, token=s.internal_token,
@@ -70,7 +81,7 @@ class WorkerState:
                                       handshake_timeout_s=s.handshake_timeout_s)
             self.connector = KVConnector(
                 core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_id), tconfig, transport,
-                release=lambda rid: self.engine.post(core.release, rid),
+                release=lambda rid: self.engine.post("release", rid),
                 lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
                 errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
                 max_lease_seconds=s.max_lease_seconds,
@@ -120,11 +131,7 @@ class WorkerState:
             self.publisher.on_events(events)
 
     async def _snapshot(self) -> list[int]:
-        def take() -> list[int]:
-            self.core.drain_events()  # already reflected in the snapshot
-            return self.core.pool.cached_hashes()
-
-        return await self.engine.call(take)
+        return await self.engine.call("cached_hashes")
 
     def registration_info(self) -> dict:
         s, core = self.settings, self.core
@@ -138,12 +145,4 @@ class WorkerState:
         }
 
     def load(self) -> dict:
-        core = self.core
-        return {
-            "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
-            "free_blocks": core.pool.num_free_blocks, "num_blocks": core.num_blocks,
-            "held": len(core.held), "importing": len(core.importing),
-            "prefill_inflight": self.num_prefill_inflight,
-            "waiting_tokens": sum(seq.num_tokens - seq.num_computed_tokens
-                                  for seq in list(core.scheduler.waiting)),
-        }
+        return {**self.engine.stats(), "prefill_inflight": self.num_prefill_inflight}

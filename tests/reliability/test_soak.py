@@ -26,10 +26,17 @@ WARMUP = min(15.0, SECONDS / 4)
 
 
 def rss_mib(pid: int) -> float:
+    """Resident memory of a service and its children (a worker's engine-core process)."""
+    total = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+            total += int(line.split()[1]) / 1024
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            total += rss_mib(int(child))
+        except FileNotFoundError:  # exited meanwhile
+            pass
+    return total
 
 
 def test_soak_steady_rate(tiny_folder, tmp_path):

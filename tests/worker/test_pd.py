@@ -32,9 +32,12 @@ def namespace():
 
 @pytest.fixture(scope="module")
 def pd(tiny_folder, workdir, namespace):
+    # The engine on a thread here (CUDA workers run so); tests/worker/test_engine_process.py
+    # and the rest of the suite run the default engine-core process.
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=namespace,
-               extra=["--lease-seconds", "3"])
-    d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=namespace)
+               extra=["--lease-seconds", "3", "--no-engine-process"])
+    d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=namespace,
+               extra=["--no-engine-process"])
     yield p, d
     p.close()
     d.close()
@@ -89,8 +92,9 @@ def test_32_concurrent_requests_and_resources_return(pd, reference):
     assert end_d["tandem_worker_running_requests"] == 0
 
 
-def test_colocated_serves_generate_without_transfer(tiny_folder, workdir, reference):
-    c = Worker("colocated", str(tiny_folder), cache_dir=workdir)
+@pytest.mark.parametrize("mode", [[], ["--no-engine-process"]], ids=["default", "thread"])
+def test_colocated_serves_generate_without_transfer(tiny_folder, workdir, reference, mode):
+    c = Worker("colocated", str(tiny_folder), cache_dir=workdir, extra=mode)
     try:
         prompt = prompts(3)[2]
         events = c.generate("co-1", prompt, GREEDY)

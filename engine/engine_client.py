@@ -1,0 +1,118 @@
+"""`EngineClient`: what the worker's async code sees of an engine, wherever it runs.
+
+Two implementations: `AsyncEngine` (engine/async_engine.py) steps the engine on a thread of this
+process; `ProcessEngine` (engine/core_client.py) steps it in its own process. Both run engine
+methods by name between steps (`call`, `post`) and deliver each request's outputs to an asyncio
+queue opened with `open_stream`; the streaming half below is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.llm_engine import DuplicateRequestId, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (its thread or process) has failed; nothing more will come from it."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the engine loop by `inject_fault` (fault-injection test builds)."""
+
+
+class EngineClient:
+    def __init__(self) -> None:
+        self._streams: dict[str, asyncio.Queue] = {}
+
+    # Implemented by both engines:
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run the engine's `method(*args)` between steps; return (or raise) its result."""
+        raise NotImplementedError
+
+    def post(self, method: str, *args: Any) -> None:
+        """Fire and forget the engine's `method(*args)`."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        """Load figures: running, waiting, free_blocks, num_blocks, held, importing,
+        waiting_tokens."""
+        raise NotImplementedError
+
+    def inject_fault(self) -> None:
+        """Make the engine fail as a bug in a model step would (fault-injection builds)."""
+        raise NotImplementedError
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for q in self._streams.values():
+            q.put_nowait(error)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; aborts it if the consumer goes away."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine failed: {item}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished and self.alive:
+                self.post("abort_request", request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (waiting, running, importing or held); its stream ends with 'abort'."""
+        out = await self.call("abort_request", request_id)
+        if out is None:
+            return False
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(out)
+        return True
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        hold_blocks: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        q = self.open_stream(request_id)
+        try:
+            await self.call("add_request", request_id, prompt_token_ids, params,
+                            output_token_ids, hold_blocks)
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        async for out in self.outputs(request_id, q):
+            yield out
