@@ -26,6 +26,8 @@ from common.hashing import hash_member
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 2.0  # the most a worker's shutdown waits on each Redis step
+
 
 @dataclass(frozen=True)
 class RedisKeys:
@@ -173,10 +175,17 @@ class WorkerPublisher:
     async def close(self, deregister: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # redis-py can miss a cancellation that lands inside a pipeline's execute and wait
+            # on forever; deregistering must not wait with it.
+            done, _ = await asyncio.wait({self._task}, timeout=CLOSE_TIMEOUT_S)
+            if not done:
+                log.warning("redis publisher did not stop within %.0f s; deregistering anyway",
+                            CLOSE_TIMEOUT_S)
         if deregister:
             try:
-                await self.redis.delete(self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id))
+                await asyncio.wait_for(self.redis.delete(self.keys.worker(self.worker_id),
+                                                         self.keys.blocks(self.worker_id)),
+                                       CLOSE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - best effort on shutdown
                 log.warning("could not deregister %s from Redis: %s", self.worker_id, e)
         await self.redis.aclose()
