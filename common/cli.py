@@ -103,8 +103,9 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="step the engine in its own process beside the API process (default; "
-                        "CPU only), or on a thread of it (--no-engine-process)")
+                   help="step the engine in its own process beside the API process (CPU only), "
+                        "or on a thread of it; default: a process for colocated, a thread for "
+                        "prefill and decode")
     p.add_argument("--max-lease-seconds", type=float, default=120.0,
                    help="the longest a /prefill caller may pin exported blocks for")
     p.add_argument("--insecure", action="store_true",

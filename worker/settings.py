@@ -36,9 +36,16 @@ class WorkerSettings(BaseSettings):
     block_size: int = 16
     threads: int | None = None
     pack_weights: bool = True  # oneDNN-prepacked matmuls on CPU float32 (engine/linear.py)
-    # HTTP, streaming and KV transfer never wait on the engine for the GIL; a CUDA worker steps
-    # on a thread of the API process.
-    engine_process: bool = True  # step the engine in its own process on CPU (engine/core_client.py)
+    # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
+    # workers, off for prefill and decode ones (measured slower at 1000-token contexts with one
+    # thread each, README "Serving path"); a CUDA worker always steps on a thread.
+    engine_process: bool | None = None  # engine core in its own process (engine/core_client.py)
+
+    @property
+    def use_engine_process(self) -> bool:
+        if not self.device.startswith("cpu"):
+            return False
+        return self.role == "colocated" if self.engine_process is None else self.engine_process
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

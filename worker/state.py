@@ -62,9 +62,9 @@ class WorkerState:
             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
             num_threads=s.threads, pack_weights=s.pack_weights,
         )
-        if s.engine_process and not s.device.startswith("cpu"):
+        if s.engine_process and not s.use_engine_process:
             log.info("engine on a thread: the engine-core process needs the CPU device")
-        if s.engine_process and s.device.startswith("cpu"):
+        if s.use_engine_process:
             self.engine = ProcessEngine(config, on_events=self._on_events,
                                         on_death=self.on_engine_death,
                                         log_level=logging.getLogger().getEffectiveLevel())

@@ -1,8 +1,8 @@
-"""Workers with `--engine-process` (the default on CPU): the engine core steps in its own
-process, the API process serves HTTP and runs the KV transfer over the shared KV mapping. Real
-processes, real Redis, real NIXL (or TCP) between a prefill and a decode worker. The rest of the
-suite runs on the default too; the thread engine (`--no-engine-process`, what CUDA workers use)
-keeps its own tests here and in tests/worker/test_pd.py."""
+"""Workers with `--engine-process` (the default for colocated CPU workers): the engine core
+steps in its own process, the API process serves HTTP and runs the KV transfer over the shared
+KV mapping. Real processes, real Redis, real NIXL (or TCP) between a prefill and a decode
+worker. Every colocated worker in the suite runs this way by default; the thread engine (the
+default for prefill and decode) is tested in tests/worker/test_pd.py and here."""
 
 import concurrent.futures as cf
 import json
@@ -177,7 +177,7 @@ def test_a_fault_in_the_engine_ends_streams_deregisters_and_exits(tiny_folder, w
 
 
 def test_killed_core_takes_the_worker_down(tiny_folder, workdir):
-    w = Worker("colocated", str(tiny_folder), cache_dir=workdir, extra=PROC)
+    w = Worker("colocated", str(tiny_folder), cache_dir=workdir)  # a process by default
     try:
         os.kill(core_pid(w), signal.SIGKILL)
         # Not a zombie that answers 503 forever: the worker exits for its supervisor.

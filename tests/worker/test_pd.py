@@ -32,8 +32,8 @@ def namespace():
 
 @pytest.fixture(scope="module")
 def pd(tiny_folder, workdir, namespace):
-    # The engine on a thread here (CUDA workers run so); tests/worker/test_engine_process.py
-    # and the rest of the suite run the default engine-core process.
+    # The engine on a thread here (the default for prefill and decode, and what CUDA workers
+    # do); tests/worker/test_engine_process.py runs this pair with engine-core processes.
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=namespace,
                extra=["--lease-seconds", "3", "--no-engine-process"])
     d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=namespace,
