@@ -37,7 +37,7 @@ from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.engine_client import EngineClient, EngineDeadError
 from engine.engine_core import run_engine_core
-from engine.llm_engine import map_kv_cache
+from engine.kv_cache import map_kv_cache
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

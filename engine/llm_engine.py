@@ -18,6 +18,7 @@ import torch
 from common.hashing import BlockHasher
 from engine.block_pool import BlockPool, KVEvent
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import allocate_kv_cache
 from engine.kv_cache_manager import KVCacheManager
 from engine.linear import packing_supported
 from engine.model import LlamaForCausalLM
@@ -53,25 +54,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                      path: str | None = None) -> torch.Tensor:
-    """A zeroed KV cache; with `path` (CPU only), a shared file mapping that another process
-    maps with `map_kv_cache(path, shape, dtype)`."""
-    if path is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    if device.type != "cpu":
-        raise ValueError("a file-backed KV cache needs the CPU device")
-    return map_kv_cache(path, shape, dtype).zero_()
-
-
-def map_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Map the file-backed KV cache at `path` (created if missing) with MAP_SHARED."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
 class DuplicateRequestId(ValueError):

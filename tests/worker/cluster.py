@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -117,6 +119,28 @@ class Worker:
                 self.proc.wait(10)
         self.client.close()
         self.log.close()
+
+
+@contextmanager
+def pd_pair(model: str, workdir: Path, namespace: str, extra: list[str] = ()) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill worker (3 s leases) and a decode worker sharing a namespace; stopped on exit."""
+    p = Worker("prefill", model, cache_dir=workdir, namespace=namespace,
+               extra=["--lease-seconds", "3", *extra])
+    try:
+        d = Worker("decode", model, cache_dir=workdir, namespace=namespace, extra=list(extra))
+        try:
+            yield p, d
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def expected_tokens(reference, prompt: list[int], sampling: dict) -> list[int]:
+    """What the one-process reference engine generates for `prompt`."""
+    from engine import SamplingParams
+
+    return reference.generate(prompt, SamplingParams(**sampling))[0].token_ids
 
 
 def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampling: dict) -> tuple[list[int], dict]:

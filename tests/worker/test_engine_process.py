@@ -17,7 +17,7 @@ import redis
 
 from common.registry import RedisKeys
 from engine import SamplingParams
-from tests.worker.cluster import REDIS_URL, Worker, pd_generate
+from tests.worker.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
 
 pytestmark = pytest.mark.redis
 
@@ -56,27 +56,9 @@ def gone(pid: int, timeout: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("engine-process")
-
-
-@pytest.fixture(scope="module")
-def namespace():
-    return f"test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
 def pd(tiny_folder, workdir, namespace):
-    p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=namespace,
-               extra=[*PROC, "--lease-seconds", "3"])
-    d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=namespace, extra=PROC)
-    yield p, d
-    p.close()
-    d.close()
-
-
-def expected(reference, prompt, sampling):
-    return reference.generate(prompt, SamplingParams(**sampling))[0].token_ids
+    with pd_pair(str(tiny_folder), workdir, namespace, PROC) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -84,7 +66,7 @@ def test_pd_tokens_equal_one_process_engine(pd, reference, sampling):
     p, d = pd
     for i, prompt in enumerate(prompts(3)):
         tokens, last = pd_generate(p, d, f"proc-{sampling['temperature']}-{i}", prompt, sampling)
-        assert tokens == expected(reference, prompt, sampling)
+        assert tokens == expected_tokens(reference, prompt, sampling)
         # The blocks crossed over the transport, from and into the shared KV mappings.
         assert last["timing"]["transfer_s"] > 0 and last["timing"]["transfer_bytes"] > 0
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from engine import SamplingParams
-from tests.worker.cluster import REDIS_URL, Worker, pd_generate
+from tests.worker.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
 
 pytestmark = pytest.mark.redis
 
@@ -21,30 +21,11 @@ def prompts(n, vocab=256):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("workers")
-
-
-@pytest.fixture(scope="module")
-def namespace():
-    return f"test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
 def pd(tiny_folder, workdir, namespace):
     # The engine on a thread here (the default for prefill and decode, and what CUDA workers
     # do); tests/worker/test_engine_process.py runs this pair with engine-core processes.
-    p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=namespace,
-               extra=["--lease-seconds", "3", "--no-engine-process"])
-    d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=namespace,
-               extra=["--no-engine-process"])
-    yield p, d
-    p.close()
-    d.close()
-
-
-def expected(reference, prompt, sampling):
-    return reference.generate(prompt, SamplingParams(**sampling))[0].token_ids
+    with pd_pair(str(tiny_folder), workdir, namespace, ["--no-engine-process"]) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -52,7 +33,7 @@ def test_golden_tokens_equal_one_process_engine(pd, reference, sampling):
     p, d = pd
     for i, prompt in enumerate(prompts(4)):
         tokens, last = pd_generate(p, d, f"golden-{sampling['temperature']}-{i}", prompt, sampling)
-        assert tokens == expected(reference, prompt, sampling)
+        assert tokens == expected_tokens(reference, prompt, sampling)
         assert last["finish_reason"] == "length" and last["timing"]["transfer_s"] > 0
 
 
@@ -64,7 +45,7 @@ def test_multi_turn_pulls_only_missing_blocks(pd, reference):
     turn2 = turn1 + out1 + [7, 8, 9, 10, 11, 12, 13]
     out2, _ = pd_generate(p, d, "mt-2", turn2, GREEDY)
     after = d.metrics()
-    assert out2 == expected(reference, turn2, GREEDY)
+    assert out2 == expected_tokens(reference, turn2, GREEDY)
     # D already holds turn 1 (prompt and decoded tokens); only the rest of turn 2 moves.
     kv_tokens = len(turn2)
     total_blocks = -(-kv_tokens // 4)
@@ -98,7 +79,7 @@ def test_colocated_serves_generate_without_transfer(tiny_folder, workdir, refere
     try:
         prompt = prompts(3)[2]
         events = c.generate("co-1", prompt, GREEDY)
-        assert [t for e in events for t in e["token_ids"]] == expected(reference, prompt, GREEDY)
+        assert [t for e in events for t in e["token_ids"]] == expected_tokens(reference, prompt, GREEDY)
         assert events[-1]["timing"]["transfer_s"] == 0
     finally:
         c.close()
