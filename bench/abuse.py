@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.model_store import prepare_smollm2  # noqa: E402
-from tests.worker.cluster import Router  # noqa: E402 - the same process helper as the tests
+from tandem.cluster import Router  # noqa: E402 - the same process helper as the tests
 
 CASES = {"4mib": (4 << 20) - 4096, "1mib": 1 << 20, "1mib-loop": 1 << 20}
 

@@ -37,14 +37,11 @@ from fastapi.responses import JSONResponse, Response
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cpu_meter import cpu_seconds  # noqa: E402 - bench/ is on sys.path when run as a script
+
+from tandem.cluster import free_port  # noqa: E402
 
 WARMUP = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_app():
@@ -144,12 +141,6 @@ def floor_app(prefill_url: str, decode_url: str):
     return app
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)
@@ -240,7 +231,7 @@ def main() -> int:
     targets["python-floor"] = f"http://127.0.0.1:{flp}/v1/completions"
     pids["python-floor"] = procs[-1].pid
     tp = free_port()
-    procs.append(spawn([sys.executable, "-m", "common.cli", "router", "--model", "tiny-random",
+    procs.append(spawn([sys.executable, "-m", "tandem.cli", "router", "--model", "tiny-random",
                         "--tokenizer", str(tok), "--block-size", "4", "--port", str(tp),
                         "--worker", f"prefill=http://127.0.0.1:{fp}",
                         "--worker", f"decode=http://127.0.0.1:{fd}"], logs / "tandem-router.log"))

@@ -41,26 +41,25 @@ import asyncio
 import json
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 from clusters import ROOT  # bench/ is on sys.path when run as a script
-from router_overhead import cpu_seconds
+from cpu_meter import cpu_seconds, host_capacity, own_cpu, run_queue
 
 from loadgen import workload
 from loadgen.runner import RunConfig, Runner
 from sim.profile import CostProfile
 from sim.simulator import Cluster
 from sim.workload import Driver, SimSession, from_chat
-from tests.worker.cluster import Router, Worker
+from tandem.cluster import Router, Worker
 
 CHAT_CONCURRENCY = 4
 
@@ -73,24 +72,6 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
     return my - slope * mx, slope
-
-
-def _spin(n: int) -> float:
-    t, x = time.perf_counter(), 0
-    for i in range(n):
-        x += i
-    return time.perf_counter() - t
-
-
-def host_capacity(cores: int, loops: int = 20_000_000) -> float:
-    """This machine's cores as single-process speed when all of them are busy: `cores` busy
-    processes at once against one alone. SMT siblings, shared caches or a shared hypervisor make
-    it less than the core count (seen here: 2 cores worth ~1.55)."""
-    with ProcessPoolExecutor(cores) as pool:
-        list(pool.map(_spin, [loops // 10] * cores))  # start the processes, warm them up
-        alone = pool.submit(_spin, loops).result()
-        together = list(pool.map(_spin, [loops] * cores))
-    return min(float(cores), cores * alone / statistics.fmean(together))
 
 
 def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path) -> dict:
@@ -169,11 +150,11 @@ def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path)
         # Not modelled, recorded: how long each process waited for a core, and how often it ran.
         all_pids = {**pids, "client": os.getpid()}
         queued0 = {k: run_queue(pid) for k, pid in all_pids.items()}
-        self0, t0 = _own_cpu(), time.perf_counter()
+        self0, t0 = own_cpu(), time.perf_counter()
         # The runner alone: `tandem bench`'s report (matplotlib) would count as load CPU.
         records = chat(sessions, CHAT_CONCURRENCY)
         wall = time.perf_counter() - t0
-        client_cpu = _own_cpu() - self0
+        client_cpu = own_cpu() - self0
         queued = {k: run_queue(pid) for k, pid in all_pids.items()}
         chat = {"requests": len(records), "wall_s": wall,
                 "output_tokens": sum(r.completion_tokens for r in records),
@@ -190,24 +171,6 @@ def measure(model: str, num_blocks: int, block_size: int, reps: int, work: Path)
     return {"rtt_s": rtts, "single": single, "batch": batch, "chat_sequential": chat_sequential, "chat": chat,
             "block_size": block_size, "num_blocks": num_blocks,
             "host_cores": capacity}  # workers, router and client all share this machine
-
-
-def run_queue(pid: int) -> tuple[float, int]:
-    """Seconds a process's threads (those alive) spent runnable but waiting for a core, and how
-    many times they were switched in: /proc/<pid>/task/*/schedstat."""
-    wait, switches = 0, 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            _, waited, slices = (int(x) for x in (task / "schedstat").read_text().split())
-        except (OSError, ValueError):
-            continue  # the thread ended, or no schedstats in this kernel
-        wait, switches = wait + waited, switches + slices
-    return wait / 1e9, switches
-
-
-def _own_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def fit(m: dict) -> CostProfile:

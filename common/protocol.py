@@ -99,7 +99,9 @@ class PrefillRequest(BaseModel):
 
 class PrefillResponse(BaseModel):
     request_id: str
-    first_token_id: int
+    # None when the decode leg produces every token (a vLLM backend: its prefill's token is
+    # not used, so sampled text stays one draw).
+    first_token_id: int | None
     num_cached_tokens: int
     kv_transfer_params: KVTransferParams
     first_token_logprob: TokenLogprob | None = None

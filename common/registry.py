@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.auth import secrets_equal, sign_json
 from common.background import BackgroundErrors
+from common.block_events import BlockEvent
 from common.hashing import hash_member
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,6 @@ def registration_signature(worker_id: str, fields: dict[str, str], token: str) -
     return sign_json({"worker_id": worker_id, **static}, token)
 
 
-@dataclass
-class BlockEvent:
-    """Torch-free mirror of engine.block_pool.KVEvent."""
-
-    kind: str  # stored | removed | cleared
-    block_hashes: tuple[int, ...] = ()
-
-
 class WorkerPublisher:
     """Registers one worker and mirrors its cached block hashes into Redis.
 
@@ -163,7 +156,7 @@ class WorkerPublisher:
         with self._lock:
             if self._resync:
                 return  # a full rewrite is owed anyway
-            self._pending.extend(BlockEvent(e.kind, tuple(e.block_hashes)) for e in events)
+            self._pending.extend(events)
             if len(self._pending) > self.max_pending:
                 self.num_dropped_events += len(self._pending)
                 self._pending.clear()

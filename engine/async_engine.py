@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from engine.block_pool import KVEvent
+from common.block_events import BlockEvent
 from engine.engine_client import EngineClient, EngineDeadError, InjectedFault
 from engine.llm_engine import LLMEngine
 
@@ -29,7 +29,7 @@ class AsyncEngine(EngineClient):
     """`on_death(error)` runs on the event loop once, after the engine thread died of `error` and
     every waiter (streams and pending calls) has been failed with `EngineDeadError`."""
 
-    def __init__(self, engine: LLMEngine, on_events: Callable[[list[KVEvent]], None] | None = None,
+    def __init__(self, engine: LLMEngine, on_events: Callable[[list[BlockEvent]], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
         super().__init__()
         self.engine = engine

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
-EventKind = Literal["stored", "removed", "cleared"]
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    kind: EventKind
-    block_hashes: tuple[int, ...] = ()
+from common.block_events import BlockEvent
 
 
 @dataclass
@@ -31,7 +24,7 @@ class BlockPool:
     blocks: list[Block] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)  # LRU order: first = evicted first
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
-    _events: list[KVEvent] = field(init=False)
+    _events: list[BlockEvent] = field(init=False)
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -65,7 +58,7 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block_id)
         if removed:
-            self._events.append(KVEvent("removed", tuple(removed)))
+            self._events.append(BlockEvent("removed", tuple(removed)))
         return out
 
     def lookup(self, block_hashes: list[int]) -> list[int]:
@@ -114,7 +107,7 @@ class BlockPool:
             return  # another block already holds these tokens; this copy stays anonymous
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
-        self._events.append(KVEvent("stored", (block_hash,)))
+        self._events.append(BlockEvent("stored", (block_hash,)))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
@@ -123,20 +116,20 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
-        self._events.append(KVEvent("cleared"))
+        self._events.append(BlockEvent("cleared"))
         return True
 
     def cached_hashes(self) -> list[int]:
         """Every block hash held now (for a full resync of the router's index)."""
         return list(self._cached)
 
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[BlockEvent]:
         """Events since the last drain, merging consecutive `stored` events."""
         events, self._events = self._events, []
-        merged: list[KVEvent] = []
+        merged: list[BlockEvent] = []
         for ev in events:
             if merged and merged[-1].kind == ev.kind and ev.kind != "cleared":
-                merged[-1] = KVEvent(ev.kind, merged[-1].block_hashes + ev.block_hashes)
+                merged[-1] = BlockEvent(ev.kind, merged[-1].block_hashes + ev.block_hashes)
             else:
                 merged.append(ev)
         return merged

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from common.block_events import BlockEvent
 from common.hashing import BlockHasher
-from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.engine_client import EngineClient, EngineDeadError
 from engine.engine_core import run_engine_core
@@ -67,7 +67,7 @@ class ProcessEngine(EngineClient):
     waiter has been failed with `EngineDeadError`."""
 
     def __init__(self, config: EngineConfig,
-                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 on_events: Callable[[list[BlockEvent]], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None,
                  log_level: int = logging.INFO) -> None:
         if not config.device.startswith("cpu"):

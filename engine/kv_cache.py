@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import ModelConfig
+
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                       path: str | None = None) -> torch.Tensor:
@@ -26,3 +28,10 @@ def map_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     for n in shape:
         numel *= n
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def num_blocks_for_memory(kv_bytes: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks (every layer's K and V) fit in `kv_bytes`."""
+    per_block = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+                 * torch.tensor([], dtype=dtype).element_size())
+    return max(1, kv_bytes // per_block)

@@ -11,49 +11,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
+from common.block_events import BlockEvent
 from common.hashing import BlockHasher
-from engine.block_pool import BlockPool, KVEvent
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import allocate_kv_cache
+from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.kv_cache_manager import KVCacheManager
-from engine.linear import packing_supported
-from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
+from engine.output import RequestOutput, output_of
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Logprob, Sequence, SequenceStatus
+from engine.stop import stop_reason
 from engine.tokenizer import Tokenizer
-from engine.weights import load_weights
+from engine.weights import load_model
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_KV_BYTES = 1 << 30
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far (given ones included)
-    new_token_ids: list[int]  # tokens produced by this step
-    text: str
-    finish_reason: str | None
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    logprobs: list[Logprob] | None
-    arrival_time: float = 0.0  # monotonic seconds
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class DuplicateRequestId(ValueError):
@@ -78,17 +58,12 @@ class LLMEngine:
             list(mc.eos_token_ids) + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         ))
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc, self.max_model_len)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        load_weights(model, self.folder)
-        model.model.rope.init_tables(self.device)
-        if config.pack_weights and packing_supported(self.device, self.dtype):
-            model.pack_weights()
-        self.model = model.eval()
+        self.model = load_model(self.folder, mc, self.max_model_len, self.device, self.dtype,
+                                config.pack_weights)
 
         self.block_size = config.block_size
-        self.num_blocks = config.num_blocks or self._blocks_for_memory(config.kv_memory_bytes)
+        self.num_blocks = config.num_blocks or num_blocks_for_memory(
+            config.kv_memory_bytes or _DEFAULT_KV_BYTES, mc, self.block_size, self.dtype)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one registrable
         # region in which each block (all layers, K and V) is one contiguous run, so moving a
         # block to another worker is one descriptor (see kv_transfer/layout.py).
@@ -106,12 +81,6 @@ class LLMEngine:
         self.importing: dict[str, Sequence] = {}
         self.num_prompt_tokens_computed = 0
 
-    def _blocks_for_memory(self, kv_bytes: int | None) -> int:
-        mc = self.model_config
-        per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                     * torch.tensor([], dtype=self.dtype).element_size())
-        return max(1, (kv_bytes or _DEFAULT_KV_BYTES) // per_block)
-
     # ---- requests -------------------------------------------------------------------------
 
     def _new_sequence(
@@ -123,25 +92,10 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self.requests or request_id in self.held or request_id in self.importing:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        out = list(output_token_ids or [])
-        if len(out) >= params.max_tokens:
-            raise ValueError(f"{len(out)} output tokens given already reach max_tokens={params.max_tokens}")
-        if any(not (0 <= t < vocab) for t in prompt + out):
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        if params.top_k is not None and params.top_k > vocab:
-            raise ValueError(f"invalid sampling parameter top_k: must be at most the vocabulary "
-                             f"size {vocab}, got {params.top_k}")
-        total = len(prompt) + len(out)
-        if total >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {total} tokens; this model's context is {self.max_model_len} tokens"
-            )
-        if self.kv.num_blocks_for(total + 1) > self.num_blocks:
-            raise ValueError(f"prompt of {total} tokens does not fit in the KV cache")
+        prompt, out = list(prompt_token_ids), list(output_token_ids or [])
+        check_request(prompt, out, params, self.model_config.vocab_size, self.max_model_len)
+        if self.kv.num_blocks_for(len(prompt) + len(out) + 1) > self.num_blocks:
+            raise ValueError(f"prompt of {len(prompt) + len(out)} tokens does not fit in the KV cache")
         seq = Sequence(request_id, prompt, params, self.eos_token_ids)
         seq.output_token_ids = out
         if params.seed is not None:
@@ -255,7 +209,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.has_work() or self.importing)
 
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[BlockEvent]:
         return self.pool.drain_events()
 
     def cached_hashes(self) -> list[int]:
@@ -321,39 +275,11 @@ class LLMEngine:
             seq.logprobs.append(lp)
         new_text = seq.text_stream.step(token_id) if seq.text_stream else ""
         seq.text += new_text
-        reason = self._stop_reason(seq, token_id, len(new_text))
+        reason = stop_reason(seq, token_id, len(new_text), self.max_model_len)
         if reason is None:
-            return self._output(seq, [token_id])
+            return output_of(seq, [token_id])
         self.scheduler.remove(seq)
         return self._finish(seq, reason, keep_blocks=seq.hold_blocks, new_token_ids=[token_id])
-
-    def _stop_reason(self, seq: Sequence, token_id: int, num_new_chars: int) -> str | None:
-        p = seq.params
-        if token_id in p.stop_token_ids:
-            seq.stop_reason = token_id
-            return "stop"
-        if not p.ignore_eos and token_id in seq.eos_token_ids:
-            seq.stop_reason = token_id
-            return "stop"
-        if p.stop and num_new_chars:
-            # A stop string can end inside the new text but start before it.
-            longest = max(len(s) for s in p.stop)
-            start = max(0, len(seq.text) - num_new_chars - longest + 1)
-            best: tuple[int, str] | None = None
-            for s in p.stop:
-                i = seq.text.find(s, start)
-                if i != -1 and (best is None or i < best[0]):
-                    best = (i, s)
-            if best is not None:
-                seq.text = seq.text[: best[0]]
-                seq.stop_reason = best[1]
-                return "stop"
-        # max_tokens counts given tokens too: the client already holds them.
-        if len(seq.output_token_ids) >= p.max_tokens or seq.hold_blocks:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _finish(
         self, seq: Sequence, reason: str, keep_blocks: bool, new_token_ids: list[int] | None = None
@@ -366,21 +292,4 @@ class LLMEngine:
         else:
             self.held.pop(seq.request_id, None)  # an aborted held request lets go too
             self.kv.free(seq)
-        return self._output(seq, new_token_ids or [])
-
-    @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            new_token_ids=new_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-        )
+        return output_of(seq, new_token_ids or [])

@@ -133,3 +133,4 @@ class LlamaForCausalLM(nn.Module):
             return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+

@@ -97,3 +97,22 @@ class SamplingParams:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"invalid sampling parameter {name}: {message}")
+
+
+def check_request(prompt: list[int], output: list[int], params: SamplingParams, vocab_size: int,
+                  max_model_len: int) -> None:
+    """Raise `ValueError` for a request this model cannot run: an empty prompt, token ids
+    outside the vocabulary, given output that already reaches `max_tokens`, a `top_k` past the
+    vocabulary, or more tokens than the context holds."""
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    if len(output) >= params.max_tokens:
+        raise ValueError(f"{len(output)} output tokens given already reach max_tokens={params.max_tokens}")
+    if any(not (0 <= t < vocab_size) for t in prompt + output):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if params.top_k is not None and params.top_k > vocab_size:
+        raise ValueError(f"invalid sampling parameter top_k: must be at most the vocabulary "
+                         f"size {vocab_size}, got {params.top_k}")
+    total = len(prompt) + len(output)
+    if total >= max_model_len:
+        raise ValueError(f"prompt has {total} tokens; this model's context is {max_model_len} tokens")

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.config import ModelConfig
+from engine.linear import packing_supported
 from engine.model import LlamaForCausalLM
 
 # checkpoint name fragment -> (fused parameter fragment, shard index within the fused tensor)
@@ -75,3 +77,16 @@ def _target(name: str, shard_rows: dict[str, list[int]]) -> tuple[str, tuple[int
 def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
     if tuple(want) != tuple(got):
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(got)} != model shape {tuple(want)}")
+
+
+def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device,
+               dtype: torch.dtype, pack_weights: bool) -> LlamaForCausalLM:
+    """The model of `folder` on `device`, weights loaded, matmuls packed where supported."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    load_weights(model, folder)
+    model.model.rope.init_tables(device)
+    if pack_weights and packing_supported(device, dtype):
+        model.pack_weights()
+    return model.eval()

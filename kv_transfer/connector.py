@@ -26,8 +26,8 @@ from kv_transfer.transport import (
     TransferError,
     TransferTimeout,
     TransportConfig,
-    get_transport_class,
 )
+from kv_transfer.transports import get_transport_class
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 A transport is built over one engine's KV cache. The receiving side calls `pull`, which copies
 the peer's `remote_block_ids` into the local `local_block_ids` and then tells the peer it is done;
-the sending side learns of those completions from `completed()`. Implementations are listed in
-`TRANSPORTS` (name -> class); all share the constructor signature below.
+the sending side learns of those completions from `completed()`. The implementations are named in
+kv_transfer/transports.py (name -> class); all share the constructor signature below.
 """
 
 from __future__ import annotations
@@ -97,28 +97,3 @@ class Transport(Protocol):
     @property
     def label(self) -> str:
         """Which wire it runs on (e.g. 'ucx:cma', 'ucx:tcp', 'tcp'), for logs and metrics."""
-
-
-def transport_names() -> list[str]:
-    return list(_registry())
-
-
-def get_transport_class(name: str) -> type:
-    table = _registry()
-    if name not in table:
-        raise ValueError(f"unknown KV transport {name!r}; choose from {', '.join(table)}")
-    return table[name]
-
-
-def default_transport_name() -> str:
-    """`nixl` where the NIXL package imports, else `tcp`."""
-    from kv_transfer.nixl_transport import nixl_available
-
-    return "nixl" if nixl_available() else "tcp"
-
-
-def _registry() -> dict[str, type]:
-    from kv_transfer.nixl_transport import NixlTransport
-    from kv_transfer.tcp_transport import TcpTransport
-
-    return {"nixl": NixlTransport, "tcp": TcpTransport}

@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from common.protocol import SamplingOptions
-from router.backends import Backend, TokenEvent, WorkerFailure
+from common.protocol import RequestTiming, SamplingOptions, StreamEvent
+from router.backend import Backend, WorkerFailure
 from router.policy import Plan
-from router.workers import WorkerDirectory, WorkerInfo
+from router.worker_info import WorkerInfo
+from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class Trace:
     resumed: int = 0
     fallback: str | None = None
     first_token_at: float | None = None  # perf_counter() when the router had the first token
-    worker_timing: dict = field(default_factory=dict)
+    worker_timing: RequestTiming = field(default_factory=RequestTiming)
 
 
 class Dispatcher:
@@ -47,7 +48,7 @@ class Dispatcher:
         self.retry_backoff_s = retry_backoff_s
 
     async def run(self, plan: Plan, request_id: str, prompt: list[int], sampling: SamplingOptions,
-                  trace: Trace) -> AsyncIterator[TokenEvent]:
+                  trace: Trace) -> AsyncIterator[StreamEvent]:
         sent: list[int] = []
         kv_params = None
         decode = plan.decode
@@ -61,17 +62,19 @@ class Dispatcher:
             finally:
                 decode.inflight -= 1
             if pre is not None:
-                trace.num_cached_tokens = pre["num_cached_tokens"]
-                first = pre.get("first_token_id")
+                trace.num_cached_tokens = pre.num_cached_tokens
+                first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
                     trace.first_token_at = time.perf_counter()
                     sent.append(first)
-                    lp = pre.get("first_token_logprob")
-                    yield TokenEvent([first], pre.get("finish_reason"), pre["num_cached_tokens"],
-                                     logprobs=[lp] if lp else None)
-                    if pre.get("finish_reason"):
+                    lp = pre.first_token_logprob
+                    yield StreamEvent(request_id=request_id, token_ids=[first],
+                                      finish_reason=pre.finish_reason,
+                                      num_cached_tokens=pre.num_cached_tokens,
+                                      logprobs=[lp] if lp else None)
+                    if pre.finish_reason:
                         return
-                kv_params = pre["kv_transfer_params"]
+                kv_params = pre.kv_transfer_params
         tried: set[str] = set()
         while True:
             tried.add(decode.worker_id)
@@ -86,7 +89,7 @@ class Dispatcher:
                             trace.first_token_at = time.perf_counter()
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
-                            trace.worker_timing = ev.timing or {}
+                            trace.worker_timing = ev.timing or RequestTiming()
                             learn_bandwidth(decode, trace.worker_timing)
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.num_cached_tokens = ev.num_cached_tokens
@@ -141,15 +144,10 @@ class Dispatcher:
                 p.inflight_tokens -= max(uncached, 0)
             elapsed = time.monotonic() - t0
             trace.prefill_s = elapsed
-            learn_prefill_rate(p, len(prompt) - resp["num_cached_tokens"], elapsed)
+            learn_prefill_rate(p, len(prompt) - resp.num_cached_tokens, elapsed)
             self.directory.record_success(p)
             return resp
         return None
-
-    async def abort(self, w: WorkerInfo | None, request_id: str) -> None:
-        if w is not None:
-            await self.backends[w.backend].abort(w, request_id)
-
 
 def learn_prefill_rate(w: WorkerInfo, num_computed: int, seconds: float) -> None:
     """EWMA of a worker's prefill tokens/s, from one prefill leg (queueing included: it is what
@@ -160,10 +158,10 @@ def learn_prefill_rate(w: WorkerInfo, num_computed: int, seconds: float) -> None
             0.8 * w.prefill_tokens_per_s + 0.2 * rate
 
 
-def learn_bandwidth(w: WorkerInfo, timing: dict) -> None:
+def learn_bandwidth(w: WorkerInfo, timing: RequestTiming) -> None:
     """EWMA of the KV bytes/s a decode worker's pulls achieved (what kv_aware charges a transfer);
     tiny pulls are all fixed cost and would make the link look slow."""
-    num_bytes, seconds = timing.get("transfer_bytes", 0), timing.get("transfer_s", 0.0)
+    num_bytes, seconds = timing.transfer_bytes, timing.transfer_s
     if num_bytes >= 1 << 20 and seconds > 0:
         rate = num_bytes / seconds
         w.transfer_bytes_per_s = rate if w.transfer_bytes_per_s is None else \

@@ -2,7 +2,8 @@
 
 `RedisPrefixIndex` answers with one Lua round trip over the sets workers publish
 (common/registry.py); `MemoryPrefixIndex` has the same interface for single-router development
-and learns only from the router's own decisions. Backends are listed in `INDEXES`.
+and learns only from the router's own decisions (and the router's approximate index of vLLM
+backends, which publish nothing).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class RedisPrefixIndex:
 
 
 class MemoryPrefixIndex:
-    def __init__(self, redis=None, keys: RedisKeys | None = None, max_blocks: int = 1_000_000) -> None:
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
         self._sets: dict[str, dict[int, None]] = {}
         self.max_blocks = max_blocks
 
@@ -124,8 +125,3 @@ class MemoryPrefixIndex:
         while len(held) > self.max_blocks:
             held.pop(next(iter(held)))
 
-    def forget(self, worker_id: str) -> None:
-        self._sets.pop(worker_id, None)
-
-
-INDEXES = {"redis": RedisPrefixIndex, "memory": MemoryPrefixIndex}

@@ -10,6 +10,8 @@ import orjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from common.protocol import TokenLogprob
+from common.stops import find_stop
 from router.dispatch import Trace
 
 TokenText = Callable[[int], str]
@@ -44,14 +46,6 @@ def body_schema(model, served_model: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def requested_max_tokens(body) -> int | None:
-    # Only chat bodies have max_completion_tokens; a missing attribute on a pydantic model costs
-    # an exception inside its __getattr__, so look it up on the class first.
-    if "max_completion_tokens" in type(body).model_fields:
-        return body.max_completion_tokens or body.max_tokens
-    return body.max_tokens
-
-
 def text_chars(body) -> int:
     """Characters of text a body asks to tokenize (chat contents or string prompts)."""
     if hasattr(body, "messages"):
@@ -77,37 +71,33 @@ def wants_logprobs(body, chat: bool) -> bool:
     return bool(body.logprobs) if chat else body.logprobs is not None
 
 
-def chat_logprobs(lps: list[dict], token_text: TokenText) -> dict:
+def chat_logprobs(lps: list[TokenLogprob], token_text: TokenText) -> dict:
     def entry(tid, lp):
         text = token_text(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-    return {"content": [{**entry(x["token_id"], x["logprob"]),
-                         "top_logprobs": [entry(t, v) for t, v in x.get("top", [])]} for x in lps]}
+    return {"content": [{**entry(x.token_id, x.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]}
 
 
-def completion_logprobs(lps: list[dict], token_text: TokenText, pos: int = 0) -> dict:
+def completion_logprobs(lps: list[TokenLogprob], token_text: TokenText, pos: int = 0) -> dict:
     """Completions-style logprobs; `pos` is the text offset of the first token (streams go on)."""
-    tokens = [token_text(x["token_id"]) for x in lps]
+    tokens = [token_text(x.token_id) for x in lps]
     offsets = []
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in lps],
-            "top_logprobs": [{token_text(t): v for t, v in x.get("top", [])} for x in lps],
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{token_text(t): v for t, v in x.top} for x in lps],
             "text_offset": offsets}
 
 
 def cut_stops(text: str, stops: list[str], finish):
     """`text` cut before the earliest stop string (finish becomes "stop"), else unchanged."""
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (best is None or i < best):
-            best = i
-    if best is None:
+    found = find_stop(text, stops)
+    if found is None:
         return text, finish
-    return text[:best], "stop"
+    return text[:found[0]], "stop"
 
 
 def timing_field(trace: Trace | None, t_start: float) -> dict:
@@ -116,10 +106,10 @@ def timing_field(trace: Trace | None, t_start: float) -> dict:
         return {}
     wt = trace.worker_timing
     return {"plan": trace.plan, "client_request_id": trace.client_request_id, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
-            "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.get("queue_s", 0.0),
-            "prefill_s": trace.prefill_s, "transfer_s": wt.get("transfer_s", 0.0),
-            "transfer_bytes": wt.get("transfer_bytes", 0),
-            "decode_s": wt.get("decode_s", 0.0), "total_s": time.perf_counter() - t_start,
+            "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.queue_s,
+            "prefill_s": trace.prefill_s, "transfer_s": wt.transfer_s,
+            "transfer_bytes": wt.transfer_bytes,
+            "decode_s": wt.decode_s, "total_s": time.perf_counter() - t_start,
             "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback,
             # When the router had the first token: the client may see it later (a token that is
             # part of a multi-byte character, or held back by a possible stop string, has no text).

@@ -1,4 +1,5 @@
-"""OpenAI request bodies as the gateway accepts them (unknown fields are refused with 400)."""
+"""OpenAI request bodies as the gateway accepts them (unknown fields are refused with 400); the
+sampling fields are common/openai_request.py's, shared with the workers' OpenAI endpoints."""
 
 from __future__ import annotations
 
@@ -6,18 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.bounds import (
-    MAX_STOP_CHARS,
-    MAX_TOP_K,
-    Finite,
-    Logprobs,
-    MaxTokens,
-    MinP,
-    Penalty,
-    Seed,
-    TokenId,
-    TopP,
-)
+from common.bounds import Logprobs, MaxTokens, TokenId
+from common.openai_request import OpenAISampling
 
 MAX_N = 8
 
@@ -26,39 +17,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(OpenAISampling):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(max_length=256)
-    max_tokens: MaxTokens | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0), Finite] = 1.0
-    top_p: TopP = 1.0
-    # OpenAI-compatible servers take 0 or -1 for "off" (vLLM); anything else must be in range.
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
-    min_p: MinP = 0.0
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: Seed | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=512)
-    ignore_eos: bool = False
     priority: Literal["interactive", "batch"] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop must be up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters")
-        return stops
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        return None if v is None or v <= 0 else v
 
 
 class ChatCompletionRequest(_Common):

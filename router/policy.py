@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.settings import RouterSettings
-from router.workers import WorkerInfo
+from router.worker_info import WorkerInfo
 
 
 @dataclass

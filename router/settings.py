@@ -1,69 +1,108 @@
-"""Router settings, built once at the edge (CLI flags over TANDEM_ROUTER_* variables)."""
+"""Router settings, built once at the edge: CLI flags (generated from these fields by
+tandem/flags.py) over TANDEM_ROUTER_* environment variables over the defaults here. Each field's
+description is its `--help` text and its line in the README's configuration reference."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "smollm2-135m-instruct"  # served model name; also the tokenizer folder's name
-    tokenizer_path: Path | None = None  # default: {cache_dir}/models/{model}
-    cache_dir: Path = Path.home() / ".cache" / "tandem"
-    block_size: int = 16
-    hash_salt: str | None = None
-    redis_url: str | None = None
-    namespace: str = "default"
-    workers: list[str] = []  # static [backend:]role=url: prefill=http://h:8200, vllm:decode=http://h:8100
-    internal_token: str | None = None
-    vllm_api_key: str | None = None  # the --api-key of vLLM backends, if they have one
-    api_keys: list[str] = []  # client API keys; empty = no authentication
-    api_keys_file: Path | None = None  # one key per line
-    rate_limit_rpm: int | None = None  # per key, shared through Redis
-    rate_limit_tpm: int | None = None  # prompt + max_tokens, per key
-    policy: str = "kv_aware"
-    policy_seed: int | None = None  # seeds the random policy (reproducible runs, the simulator)
-    index_search: str = "gallop"  # or "exact" (linear, stops at the first miss); see router/index.py
-    refresh_interval_s: float = 0.5
-    redis_restart_grace_s: float = 5.0  # keep known workers this long after Redis lost its data
-    probe_interval_s: float = 2.0  # health checks of statically listed workers
-    request_timeout_s: float = 300.0
+    host: str = Field("127.0.0.1", description="listen address")
+    port: int = Field(8000, description="HTTP port (OpenAI API, /metrics)")
+    model: str = Field("smollm2-135m-instruct", description="served model name; also the "
+                       "tokenizer folder's name in the cache dir")
+    tokenizer_path: Path | None = Field(None, description="model folder with the tokenizer "
+                                        "(default: {cache_dir}/models/{model})")
+    cache_dir: Path = Field(Path.home() / ".cache" / "tandem", description="where prepared "
+                            "models live ($TANDEM_CACHE_DIR)")
+    block_size: int = Field(16, description="tokens per KV block; must match the workers'")
+    hash_salt: str | None = Field(None, description="salt of the block hashes (cache isolation); "
+                                  "must match the workers'")
+    redis_url: str | None = Field(None, description="Redis with the worker registry and the "
+                                  "prefix index; none: static workers and an in-process index")
+    namespace: str = Field("default", description="Redis key namespace shared with the workers")
+    workers: list[str] = Field([], description="static worker [backend:]role=url, repeatable: "
+                               "decode=http://127.0.0.1:8300 (a Tandem worker) or "
+                               "vllm:prefill=http://127.0.0.1:8100 (vLLM with the NixlConnector)")
+    internal_token: str | None = Field(None, description="bearer token of the workers' internal "
+                                       "API ($TANDEM_INTERNAL_TOKEN)")
+    vllm_api_key: str | None = Field(None, description="the --api-key of vLLM backends, if they "
+                                     "have one")
+    api_keys: list[str] = Field([], description="accepted client API key, repeatable; none: no "
+                                "authentication")
+    api_keys_file: Path | None = Field(None, description="file with one client API key per line")
+    rate_limit_rpm: int | None = Field(None, description="requests per minute per key, shared "
+                                       "through Redis")
+    rate_limit_tpm: int | None = Field(None, description="tokens (prompt + max_tokens) per "
+                                       "minute per key")
+    policy: str = Field("kv_aware", description="routing policy: a name in router/policy.py's "
+                        "POLICIES (kv_aware, round_robin, least_loaded, random)")
+    policy_seed: int | None = Field(None, description="seeds the random policy (reproducible "
+                                    "runs, the simulator)")
+    index_search: str = Field("gallop", description="leading-match search in the Redis index: "
+                              "gallop or exact (router/index.py)")
+    refresh_interval_s: float = Field(0.5, description="how often the worker directory is read "
+                                      "from Redis")
+    redis_restart_grace_s: float = Field(5.0, description="keep known workers this long after "
+                                         "Redis lost its data")
+    probe_interval_s: float = Field(2.0, description="health checks of every worker")
+    request_timeout_s: float = Field(300.0, description="longest a request may take end to end")
     # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried
     # elsewhere or done locally, a decode stream resumes on another worker.
-    prefill_timeout_s: float = 60.0
-    stream_stall_timeout_s: float = 30.0  # longest silence inside a decode stream
-    max_prefill_retries: int = 2
-    retry_backoff_s: float = 0.05
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 5.0
-    max_tokens_default: int = 256
-    max_running: int = 512  # requests in flight before new ones queue
-    max_queued: int = 2048  # beyond this: 503 + Retry-After
+    prefill_timeout_s: float = Field(60.0, description="longest prefill leg before it is retried "
+                                     "elsewhere")
+    stream_stall_timeout_s: float = Field(30.0, description="longest silence inside a decode "
+                                          "stream before it resumes elsewhere")
+    max_prefill_retries: int = Field(2, description="prefill attempts on other workers after a "
+                                     "failure")
+    retry_backoff_s: float = Field(0.05, description="pause before a retry")
+    breaker_failures: int = Field(3, description="consecutive failures that open a worker's "
+                                  "circuit breaker")
+    breaker_cooldown_s: float = Field(5.0, description="how long an open breaker keeps a worker "
+                                      "out")
+    max_tokens_default: int = Field(256, description="max_tokens of requests that give none")
+    max_running: int = Field(512, description="requests in flight before new ones queue")
+    max_queued: int = Field(2048, description="queued requests beyond which: 503 + Retry-After")
     # kv_aware cost model (seconds); every weight and threshold is a setting.
-    default_prefill_tokens_per_s: float = 1000.0
-    default_transfer_bytes_per_s: float = 2e9  # until decode workers' pulls have measured it
-    bytes_per_block: int = 368_640  # for workers that do not publish theirs
-    transfer_weight: float = 1.0
-    transfer_fixed_s: float = 0.005  # second leg: HTTP call, handshake, notification
-    max_body_bytes: int = 4 << 20
-    offload_chars: int = 16 << 10  # texts longer than this are tokenized off the event loop
-    max_model_len_default: int = 8192
-    local_prefill_interference: float = 0.05  # extra cost per running decode on the D worker
+    default_prefill_tokens_per_s: float = Field(1000.0, description="prefill rate assumed until "
+                                                "a worker's has been measured")
+    default_transfer_bytes_per_s: float = Field(2e9, description="KV transfer rate assumed until "
+                                                "decode workers' pulls have measured it")
+    bytes_per_block: int = Field(368_640, description="KV bytes per block of workers that do "
+                                 "not publish theirs")
+    transfer_weight: float = Field(1.0, description="weight of the predicted transfer time")
+    transfer_fixed_s: float = Field(0.005, description="fixed cost of the second leg: HTTP call, "
+                                    "handshake, notification")
+    max_body_bytes: int = Field(4 << 20, description="largest request body")
+    offload_chars: int = Field(16 << 10, description="texts longer than this are tokenized off "
+                               "the event loop")
+    max_model_len_default: int = Field(8192, description="context limit while no worker has "
+                                       "published its own")
+    local_prefill_interference: float = Field(0.05, description="extra cost per running decode "
+                                              "on the decode worker of a local prefill")
     # Conditional disaggregation: a decode worker prefills locally only when it already holds
     # most of the prompt and what is left is short (else prefill belongs on the prefill pool).
-    conditional_disagg: bool = True  # off: every request with a prefill pool goes disagg
-    local_prefill_max_uncached_tokens: int = 256
-    local_prefill_min_cached_fraction: float = 0.5
+    conditional_disagg: bool = Field(True, description="let a decode worker prefill locally when "
+                                     "that is predicted faster; off: every request with a "
+                                     "prefill pool goes disagg")
+    local_prefill_max_uncached_tokens: int = Field(256, description="local prefill only below "
+                                                   "this many uncached tokens ...")
+    local_prefill_min_cached_fraction: float = Field(0.5, description="... and with at least this "
+                                                     "share of the prompt cached there")
     # ... or any prompt, while the prefill pool is backed up (its shortest queue holds at least
     # the prompt's own uncached tokens), priced with the stall it costs D's running streams.
-    local_prefill_when_backed_up: bool = True
-    local_prefill_stall_weight: float = 1.0
-    near_tie_s: float = 0.002
+    local_prefill_when_backed_up: bool = Field(True, description="also prefill locally while the "
+                                               "prefill pool is backed up, when predicted faster")
+    local_prefill_stall_weight: float = Field(1.0, description="weight of the stall a local "
+                                              "prefill costs the decode worker's running streams")
+    near_tie_s: float = Field(0.002, description="plans predicted within this of the best count "
+                              "as ties (broken by load)")
 
     @property
     def tokenizer_folder(self) -> Path:

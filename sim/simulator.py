@@ -1,7 +1,7 @@
 """A discrete-event simulation of a Tandem cluster that drives the router's real code: block
 hashing (common/hashing.py), the prefix index (router/index.py, one LRU set per worker, updated
-when a worker stores blocks, as the Redis index is), the routing policies (router/policy.py,
-the same `RouteContext` and `WorkerInfo`) and the dispatcher's rate and bandwidth learning
+when a worker stores blocks, as the Redis index is), the routing step (router/gateway.py's
+`plan_for` over the same policies and `WorkerInfo`) and the dispatcher's rate and bandwidth learning
 (router/dispatch.py). Only the workers and the link are simulated, at the costs of a
 `CostProfile`:
 
@@ -21,8 +21,6 @@ the same `RouteContext` and `WorkerInfo`) and the dispatcher's rate and bandwidt
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import random
 from collections import deque
@@ -30,11 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.hashing import BlockHasher
+from common.protocol import RequestTiming
 from router.dispatch import learn_bandwidth, learn_prefill_rate
+from router.gateway import plan_for
 from router.index import MemoryPrefixIndex
-from router.policy import RouteContext, make_policy
+from router.policy import make_policy
 from router.settings import RouterSettings
-from router.workers import WorkerInfo
+from router.worker_info import WorkerInfo
+from sim.host import Clock, Host, Thread
 from sim.profile import CostProfile
 
 
@@ -64,99 +65,6 @@ def _run(coro):
     except StopIteration as stop:
         return stop.value
     raise RuntimeError("the coroutine awaited something")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._events: list = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn, args))
-
-    def after(self, dt: float, fn: Callable, *args) -> None:
-        self.at(self.now + dt, fn, *args)
-
-    def run(self, until: float | None = None) -> None:
-        while self._events:
-            t, _, fn, args = heapq.heappop(self._events)
-            if until is not None and t > until:
-                heapq.heappush(self._events, (t, 0, fn, args))
-                return
-            self.now = t
-            fn(*args)
-
-
-class Host:
-    """Processor sharing: every running job (single-threaded) progresses at min(1, cores / n)
-    while n jobs run; finish times are recomputed whenever a job starts or ends."""
-
-    def __init__(self, clock: Clock, cores: float) -> None:
-        self.clock, self.cores = clock, cores
-        self._jobs: dict[int, list] = {}  # job id -> [work left (s at full speed), fn, args]
-        self._ids = itertools.count()
-        self._last = 0.0
-        self._version = 0
-
-    def run(self, work_s: float, fn: Callable, *args) -> None:
-        self._advance()
-        self._jobs[next(self._ids)] = [work_s, fn, args]
-        self._schedule()
-
-    def _speed(self) -> float:
-        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
-
-    def _advance(self) -> None:
-        done = (self.clock.now - self._last) * self._speed()
-        self._last = self.clock.now
-        for job in self._jobs.values():
-            job[0] -= done
-
-    def _schedule(self) -> None:
-        self._version += 1
-        if self._jobs:
-            left = min(job[0] for job in self._jobs.values())
-            self.clock.after(max(left, 0.0) / self._speed(), self._finish, self._version)
-
-    def _finish(self, version: int) -> None:
-        if version != self._version:
-            return  # superseded: a job started or ended since this was scheduled
-        self._advance()
-        finished = [k for k, job in self._jobs.items() if job[0] <= 1e-12]
-        calls = [self._jobs.pop(k) for k in finished]
-        self._schedule()
-        for _, fn, args in calls:
-            fn(*args)
-
-
-class Thread:
-    """One single-threaded process on a `Host` (the router, the load generator): its jobs run
-    one after another, so it never takes more than one core, however much work is queued."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-        self._queue: deque = deque()
-        self._busy = False
-        self.busy_s = 0.0  # all the work it was given (its CPU time)
-
-    def run(self, work_s: float, fn: Callable, *args) -> None:
-        self.busy_s += work_s
-        self._queue.append((work_s, fn, args))
-        if not self._busy:
-            self._next()
-
-    def _next(self) -> None:
-        if not self._queue:
-            self._busy = False
-            return
-        self._busy = True
-        work_s, fn, args = self._queue.popleft()
-        self.host.run(work_s, self._done, fn, args)
-
-    def _done(self, fn: Callable, args: tuple) -> None:
-        self._next()
-        fn(*args)
 
 
 class SimWorker:
@@ -336,11 +244,8 @@ class Cluster:
     def _routed(self, req: SimRequest) -> None:
         req.hashes = self.hasher(req.prompt)
         live = [w.info for w in self.workers]
-        by_role = {r: [w for w in live if w.role == r] for r in ("prefill", "decode", "colocated")}
         matches = _run(self.index.match(req.hashes, [w.worker_id for w in live]))
-        ctx = RouteContext(len(req.prompt), len(req.hashes), matches, by_role["prefill"], by_role["decode"],
-                           by_role["colocated"], self.profile.block_size)
-        plan = self.policy.choose(ctx)
+        plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes), self.profile.block_size)
         req.plan = plan.kind
         self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1
         d = self.by_id[plan.decode.worker_id]
@@ -372,7 +277,7 @@ class Cluster:
             self.deliver(1)
             missing = len(r.hashes) - d.cached_blocks(r.hashes) + (len(r.prompt) % self.profile.block_size > 0)
             t = self.profile.transfer_s(missing)
-            learn_bandwidth(d.info, {"transfer_bytes": missing * self.profile.block_bytes, "transfer_s": t})
+            learn_bandwidth(d.info, RequestTiming(transfer_bytes=missing * self.profile.block_bytes, transfer_s=t))
             # The decode call, then the pull (waiting on the link, not the CPU).
             self.compute(hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 

@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_router_and_common_never_import_torch():
-    code = ("import sys, router, common, common.hashing, common.protocol, common.cli; "
+    code = ("import sys, router, common, common.hashing, common.protocol, tandem.cli; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'engine'))))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], cwd=ROOT,
@@ -19,7 +21,7 @@ def test_router_and_common_never_import_torch():
 
 def test_cli_chat_runs_offline_engine(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "chat", "--model", "tiny-random", "--cache-dir",
+        [sys.executable, "-m", "tandem.cli", "chat", "--model", "tiny-random", "--cache-dir",
          str(tmp_path), "--num-blocks", "64", "--max-tokens", "5", "--json", "hello"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
@@ -31,7 +33,7 @@ def test_cli_chat_runs_offline_engine(tmp_path):
 
 def test_cli_reports_unknown_model_clearly(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "chat", "--model", "no-such-model", "--cache-dir",
+        [sys.executable, "-m", "tandem.cli", "chat", "--model", "no-such-model", "--cache-dir",
          str(tmp_path), "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "unknown model 'no-such-model'" in out.stderr
@@ -53,7 +55,7 @@ def test_tandem_demo_runs_a_local_cluster_without_redis(tmp_path):
     """`tandem demo` end to end (workers and router as processes); --no-redis takes the
     in-process index path, so this runs wherever the CLI does."""
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--model", "tiny-random", "--cache-dir",
+        [sys.executable, "-m", "tandem.cli", "demo", "--model", "tiny-random", "--cache-dir",
          str(tmp_path), "--no-redis", "--num-blocks", "128", "--port", "0"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
@@ -63,26 +65,77 @@ def test_tandem_demo_runs_a_local_cluster_without_redis(tmp_path):
     assert "static-prefill-0" in out.stdout and "[tandem] stopped" in out.stdout
 
 
-def test_flags_win_and_environment_fills_the_rest(monkeypatch, tmp_path):
-    from common.cli import _given, _router_kwargs, _worker_kwargs, build_parser
-    from router.settings import RouterSettings
-    from worker.settings import WorkerSettings
+def test_flags_win_and_environment_fills_the_rest(monkeypatch):
+    from tandem.cli import build_parser
+    from tandem.commands import router_settings, worker_settings
 
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "round_robin")
     monkeypatch.setenv("TANDEM_ROUTER_PORT", "9100")
     monkeypatch.setenv("TANDEM_MAX_NUM_SEQS", "7")
-    s = RouterSettings(**_given(_router_kwargs, build_parser().parse_args(["router", "--port", "9001"])))
+    parse = build_parser().parse_args
+    s = router_settings(parse(["router", "--port", "9001"]))
     assert (s.policy, s.port) == ("round_robin", 9001)
-    w = WorkerSettings(**_given(_worker_kwargs, build_parser().parse_args(["decode"])))
+    w = worker_settings(parse(["decode"]))
     assert (w.role, w.max_num_seqs) == ("decode", 7)
-    w = WorkerSettings(**_given(_worker_kwargs, build_parser().parse_args(["decode", "--max-num-seqs", "9"])))
-    assert w.max_num_seqs == 9
+    assert worker_settings(parse(["decode", "--max-num-seqs", "9"])).max_num_seqs == 9
+
+
+SAMPLES = {int: "3", float: "2.5", str: "value", Path: "/tmp/x", list: "http://127.0.0.1:1"}
+
+
+@pytest.mark.parametrize("command,cls_name", [("router", "RouterSettings"), ("decode", "WorkerSettings")])
+def test_every_setting_is_a_flag(command, cls_name):
+    """Each field of the settings class has a --name-with-dashes flag whose value reaches the
+    settings (the issue: only 17 of 44 router settings had one)."""
+    from router.settings import RouterSettings
+    from tandem.cli import build_parser
+    from tandem.flags import flag_name, flag_type, given
+    from worker.settings import WorkerSettings
+
+    cls = {"RouterSettings": RouterSettings, "WorkerSettings": WorkerSettings}[cls_name]
+    parser = build_parser()
+    for name, field in cls.model_fields.items():
+        if name == "role":
+            continue  # the subcommand
+        kind, choices = flag_type(field.annotation)
+        argv = [command, flag_name(name)] + ([] if kind is bool else [choices[0] if choices else SAMPLES[kind]])
+        got = given(parser.parse_args(argv), cls)
+        assert list(got) == [name]
+        settings = cls(**got)
+        assert getattr(settings, name) == (True if kind is bool else got[name]), name
+
+
+def test_old_flag_spellings_and_global_flags_after_the_subcommand():
+    from tandem.cli import build_parser
+    from tandem.commands import router_settings, worker_settings
+
+    parse = build_parser().parse_args
+    args = parse(["decode", "--kv-memory", "2", "--heartbeat-ttl", "3", "--no-pack-weights", "-v",
+                  "--log-json"])
+    w = worker_settings(args)
+    assert (w.kv_memory_gb, w.heartbeat_ttl_s, w.pack_weights) == (2.0, 3.0, False)
+    assert args.verbose and args.log_json
+    args = parse(["-v", "router", "--worker", "decode=http://h:1", "--worker", "prefill=http://h:2",
+                  "--api-key", "k", "--tokenizer", "/t", "--prefill-timeout-s", "5"])
+    r = router_settings(args)
+    assert r.workers == ["decode=http://h:1", "prefill=http://h:2"] and r.api_keys == ["k"]
+    assert str(r.tokenizer_path) == "/t" and r.prefill_timeout_s == 5.0 and args.verbose
+
+
+def test_help_shows_each_settings_description_and_default(capsys):
+    from tandem.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--prefill-timeout-s" in text and "longest prefill leg" in text
+    assert "(default: 60.0; env TANDEM_ROUTER_PREFILL_TIMEOUT_S)" in text
 
 
 def test_readme_config_reference_is_current(tmp_path):
-    from common.config_reference import write_readme
+    from tandem.config_reference import write_readme
 
     copy = tmp_path / "README.md"
     copy.write_text((ROOT / "README.md").read_text())
-    assert not write_readme(copy), "README config reference is stale: python -m common.config_reference --write"
+    assert not write_readme(copy), "README config reference is stale: python -m tandem.config_reference --write"
     assert "TANDEM_ROUTER_POLICY" in copy.read_text()

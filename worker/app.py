@@ -1,4 +1,6 @@
-"""`create_app(settings)`: one worker service (prefill, decode or colocated)."""
+"""`create_app(settings, parts)`: the app every worker role shares (health, readiness,
+metrics, the KV metadata endpoint, `/abort`, the OpenAI endpoints), with the role's own parts
+mounted (`prefill_worker.create_app`, `decode_worker.create_app`)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from common.auth import require_internal_token
 from common.body_limit import BodyLimit
 from kv_transfer.metadata_api import metadata_router
 from worker.errors import install_error_handlers
-from worker.internal_api import internal_router
+from worker.internal_api import abort_router
 from worker.metrics import WorkerMetrics
+from worker.role import RoleParts
 from worker.settings import WorkerSettings
 from worker.state import WorkerState
 
@@ -26,7 +29,7 @@ class InsecureConfig(ValueError):
     """The worker would listen beyond loopback with its internal API open."""
 
 
-def create_app(settings: WorkerSettings) -> FastAPI:
+def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
     problem = settings.security_problem()
     if problem:
         raise InsecureConfig(problem)
@@ -34,14 +37,15 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         log.warning("no internal token: the internal API is open to every local process and KV "
                     "handles are unsigned (development only; tandem up generates a token)")
     registry = CollectorRegistry()
-    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role))
+    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role), parts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.start()
         if state.connector is not None:
             app.include_router(metadata_router(state.connector, settings.internal_token))
-        app.include_router(internal_router(state))
+        for make_router in (*parts.routers, abort_router):
+            app.include_router(make_router(state))
         from worker.openai_api import openai_router
 
         app.include_router(openai_router(state))

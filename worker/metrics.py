@@ -36,6 +36,15 @@ class WorkerMetrics:
         self.held_requests = Gauge("tandem_worker_held_requests",
                                    "Prefilled requests holding blocks for export", registry=registry)
 
+    def observe_first_token(self, out, pool: str) -> None:
+        """Prompt, cache-hit, queue and prefill figures of a request's first output."""
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.cache_hit_tokens.labels(pool).inc(out.num_cached_tokens)
+        if out.first_scheduled_time is not None:
+            self.queue_time.observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            self.prefill_time.observe(out.first_token_time - out.arrival_time)
+
     def sample_engine(self, stats: dict[str, int]) -> None:
         """Set the gauges from an engine's `stats()`."""
         self.running.set(stats["running"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,26 +23,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.auth import require_internal_token
 from common.bounds import (
-    MAX_TOP_K,
     MaxTokens,
-    MinP,
-    Penalty,
     PromptTokenIds,
-    Seed,
-    StopString,
-    StopStrings,
-    StopTokenIds,
-    Temperature,
-    TopP,
     is_request_id,
 )
+from common.openai_request import OpenAISampling, prompt_token_ids
+from common.openai_response import choice, chunk_choice, envelope, usage
 from common.protocol import GenerateRequest, KVTransferParams
 from common.streams import prepend
 from engine.engine_client import EngineDeadError
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import ChatTemplateError
 from worker.errors import APIError
-from worker.internal_api import run_prefill, stream_generate
+from worker.generation import stream_generate
 from worker.state import WorkerState
 
 
@@ -50,24 +42,13 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIBase(BaseModel):
+class _OpenAIBase(OpenAISampling):
     # vLLM clients send fields we ignore (return_token_ids, tp_size, ...): allowed, but every
     # field we read is bounded by common/bounds.py, like the router's and the internal API's.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, max_length=256)
-    max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
-    min_p: MinP | None = None
-    seed: Seed | None = None
-    stop: StopString | StopStrings | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool = False
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: _StreamOptions | None = None
     kv_transfer_params: KVTransferParams | None = None
@@ -82,18 +63,8 @@ class ChatBody(_OpenAIBase):
 
 
 def _params(body: _OpenAIBase) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    kwargs = dict(
-        max_tokens=body.max_completion_tokens or body.max_tokens or 16,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k if body.top_k and body.top_k > 0 else None,
-        min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-    )
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams.from_options(body.sampling_options(default_max_tokens=16))
     except ValueError as e:
         raise APIError(400, str(e), "invalid_sampling_params") from e
 
@@ -104,14 +75,7 @@ def openai_router(state: WorkerState) -> APIRouter:
     tok = core.tokenizer
 
     def prompt_ids(body: CompletionBody | ChatBody) -> list[int]:
-        try:
-            if isinstance(body, ChatBody):
-                return tok.encode_chat(body.messages)
-            return tok.encode_prompt(body.prompt)
-        except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
-            field = "messages" if isinstance(body, ChatBody) else "prompt"
-            raise APIError(400, f"{field}: {e}", "invalid_messages" if field == "messages"
-                           else "invalid_prompt", field) from e
+        return prompt_token_ids(tok, body)
 
     async def handle(body: CompletionBody | ChatBody, request: Request, chat: bool):
         ids = prompt_ids(body)
@@ -122,15 +86,15 @@ def openai_router(state: WorkerState) -> APIRouter:
                            "invalid_request_id")
         created = int(time.time())
         kvp = body.kv_transfer_params
-        obj = "chat.completion" if chat else "text_completion"
-        if kvp is not None and kvp.do_remote_decode and state.settings.role in ("prefill", "colocated"):
+        run_prefill = state.parts.prefill
+        if kvp is not None and kvp.do_remote_decode and run_prefill is not None:
             resp = await run_prefill(state, rid, ids, params, None, always_export=True)
             state.metrics.requests.labels("openai_prefill", "200").inc()
             text = tok.decode([resp.first_token_id])
             out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
             if out_kvp is not None:
                 out_kvp["tp_size"] = 1
-            return JSONResponse(_body(obj, rid, created, core.model_id, text, [resp.first_token_id],
+            return JSONResponse(_body(rid, created, core.model_id, text, [resp.first_token_id],
                                       resp.finish_reason or "length", len(ids), 1, chat, out_kvp))
         output_ids: list[int] = []
         if kvp is not None and kvp.do_remote_prefill and state.settings.role == "prefill":
@@ -151,7 +115,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                     async for out, _ in prepend([first], items):
                         delta, sent = out.text[len(sent):], out.text
                         num_output = len(out.token_ids)
-                        yield _sse_chunk(obj, rid, created, core.model_id, delta,
+                        yield _sse_chunk(rid, created, core.model_id, delta,
                                          out.new_token_ids, out.finish_reason, chat)
                 except EngineDeadError as e:
                     # Headers are sent: end the stream with an error event, not a cut connection.
@@ -159,16 +123,15 @@ def openai_router(state: WorkerState) -> APIRouter:
                                                "param": None, "code": 503}})
                     return
                 if include_usage:
-                    yield _sse_json({"id": rid, "object": "chat.completion.chunk" if chat else obj,
-                                     "created": created, "model": core.model_id, "choices": [],
-                                     "usage": _usage(len(ids), num_output)})
+                    yield _sse_json(envelope(rid, chat, created, core.model_id, [], stream=True,
+                                             usage_=usage(len(ids), num_output)))
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         last = None
         async for last, _ in items:  # noqa: B007
             pass
-        return JSONResponse(_body(obj, rid, created, core.model_id, last.text, last.token_ids,
+        return JSONResponse(_body(rid, created, core.model_id, last.text, last.token_ids,
                                   last.finish_reason, len(ids), len(last.token_ids), chat, None))
 
     @router.get("/v1/models")
@@ -199,35 +162,20 @@ def openai_router(state: WorkerState) -> APIRouter:
 
 
 
-def _body(obj, rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp) -> dict:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": token_ids}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-        choice["logprobs"] = None
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": _usage(n_prompt, n_out)}
+def _body(rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp) -> dict:
+    c = choice(0, text, finish, chat)
+    c["token_ids"] = token_ids  # vLLM's return_token_ids: P/D proxies read them
+    body = envelope(rid, chat, created, model, [c], usage_=usage(n_prompt, n_out))
     if kvp is not None:
         body["kv_transfer_params"] = kvp
     return body
-
-
-def _usage(num_prompt: int, num_output: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output}
 
 
 def _sse_json(payload: dict) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def _sse_chunk(obj, rid, created, model, delta, token_ids, finish, chat) -> bytes:
-    if chat:
-        choice = {"index": 0, "delta": {"content": delta}, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": delta, "finish_reason": finish}
-    choice["token_ids"] = token_ids
-    return _sse_json({"id": rid, "object": obj, "created": created, "model": model,
-                      "choices": [choice]})
+def _sse_chunk(rid, created, model, delta, token_ids, finish, chat) -> bytes:
+    c = chunk_choice(delta, finish, chat)
+    c["token_ids"] = token_ids
+    return _sse_json(envelope(rid, chat, created, model, [c], stream=True))

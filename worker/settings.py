@@ -1,4 +1,6 @@
-"""Worker settings, built once at the edge (CLI flags over TANDEM_* environment variables)."""
+"""Worker settings, built once at the edge: CLI flags (generated from these fields by
+tandem/flags.py) over TANDEM_* environment variables over the defaults here. Each field's
+description is its `--help` text and its line in the README's configuration reference."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -14,52 +17,87 @@ Role = Literal["prefill", "decode", "colocated"]
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="forbid")
 
-    role: Role = "colocated"
-    model: str = "smollm2-135m-instruct"
-    model_id: str | None = None
-    cache_dir: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8100
-    advertise_host: str | None = None  # what peers and the router use to reach this worker
-    worker_id: str | None = None
-    redis_url: str | None = None
-    namespace: str = "default"
-    heartbeat_ttl_s: float = 10.0
-    internal_token: str | None = None
+    role: Role = Field("colocated", description="which phase this worker serves (the subcommand)")
+    model: str = Field("smollm2-135m-instruct", description="model name (smollm2-135m-instruct, "
+                       "tiny-random) or a Hugging Face folder")
+    model_id: str | None = Field(None, description="the model's name in block hashes and "
+                                 "registrations (default: the model folder's name)")
+    cache_dir: Path | None = Field(None, description="where prepared models live "
+                                   "(default $TANDEM_CACHE_DIR or ~/.cache/tandem)")
+    host: str = Field("127.0.0.1", description="listen address; beyond loopback only with an "
+                      "internal token (or --insecure)")
+    port: int = Field(8100, description="HTTP port (internal API, OpenAI endpoints, /metrics)")
+    advertise_host: str | None = Field(None, description="address peers and the router use to "
+                                       "reach this worker (default: --host)")
+    worker_id: str | None = Field(None, description="id in Redis and metrics "
+                                  "(default: role-host-port)")
+    redis_url: str | None = Field(None, description="Redis for registration and block events, "
+                                  "e.g. redis://127.0.0.1:6379/0; none: static workers only")
+    namespace: str = Field("default", description="Redis key namespace shared with the router")
+    heartbeat_ttl_s: float = Field(10.0, description="registration TTL; the router drops a worker "
+                                   "this long after its last heartbeat")
+    internal_token: str | None = Field(None, description="bearer token of the internal API and "
+                                       "key for signing KV handles ($TANDEM_INTERNAL_TOKEN)")
     # Without a token the internal API is open and KV handles unsigned: allowed on loopback
     # (development), refused on any other address unless the operator says --insecure.
-    insecure: bool = False
-    device: str = "cpu"
-    dtype: str | None = None
-    num_blocks: int | None = None
-    kv_memory_gb: float = 1.0
-    block_size: int = 16
-    threads: int | None = None
-    pack_weights: bool = True  # oneDNN-prepacked matmuls on CPU float32 (engine/linear.py)
+    insecure: bool = Field(False, description="allow listening beyond loopback without an "
+                           "internal token, and accept unsigned KV handles (never in production)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N")
+    dtype: str | None = Field(None, description="float32 (CPU default) or bfloat16 (CUDA default)")
+    num_blocks: int | None = Field(None, description="KV cache blocks (overrides --kv-memory-gb)")
+    kv_memory_gb: float = Field(1.0, description="KV cache size in GiB")
+    block_size: int = Field(16, description="tokens per KV block (a power of two; the router's "
+                            "must match)")
+    threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
+    pack_weights: bool = Field(True, description="oneDNN-prepacked matmul weights on CPU float32 "
+                               "(engine/linear.py)")
     # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
     # workers, off for prefill and decode ones (measured slower at 1000-token contexts with one
     # thread each, README "Serving path"); a CUDA worker always steps on a thread.
-    engine_process: bool | None = None  # engine core in its own process (engine/core_client.py)
+    engine_process: bool | None = Field(None, description="step the engine in its own process "
+                                        "beside the API process (CPU only), or on a thread of it; "
+                                        "default: a process for colocated, a thread for prefill "
+                                        "and decode")
+    max_num_seqs: int = Field(64, description="sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, description="tokens in one engine step (decodes "
+                                        "plus prefill chunks)")
+    max_model_len: int | None = Field(None, description="longest prompt + output "
+                                      "(default: the model's)")
+    transport: Literal["nixl", "tcp"] | None = Field(None, description="KV transfer (default: "
+                                                     "nixl where it imports, else tcp)")
+    transport_port: int = Field(0, description="fixed KV transfer listen port (tcp transport; "
+                                "0 = any), for firewalls")
+    lease_seconds: float = Field(30.0, description="how long exported blocks stay pinned "
+                                 "waiting for the decode side's pull")
+    max_lease_seconds: float = Field(120.0, description="the longest a /prefill caller may pin "
+                                     "exported blocks for")
+    handshake_timeout_s: float = Field(5.0, description="KV metadata handshake with a peer, "
+                                       "start to end")
+    pull_timeout_s: float = Field(10.0, description="one KV pull; past it the request is "
+                                  "prefilled locally")
+    max_queue: int = Field(256, description="prefills waiting beyond this get 503 + Retry-After")
+    max_body_bytes: int = Field(64 << 20, description="largest request body (internal requests "
+                                "carry token ids: 1M tokens is ~8 MB)")
+    fault_injection: bool = Field(False, description="test builds only: POST /debug/engine-fault "
+                                  "makes the engine fail (needs the internal token)")
+
+    def engine_config(self):
+        """The engine's configuration (engine/config.py) from these settings."""
+        from engine.config import EngineConfig
+
+        return EngineConfig(
+            model=self.model, model_id=self.model_id, cache_dir=self.cache_dir, device=self.device,
+            dtype=self.dtype, block_size=self.block_size, num_blocks=self.num_blocks,
+            kv_memory_bytes=int(self.kv_memory_gb * (1 << 30)), max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            num_threads=self.threads, pack_weights=self.pack_weights,
+        )
 
     @property
     def use_engine_process(self) -> bool:
         if not self.device.startswith("cpu"):
             return False
         return self.role == "colocated" if self.engine_process is None else self.engine_process
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    transport: str | None = None  # nixl | tcp; default: nixl where it imports
-    transport_port: int = 0
-    lease_seconds: float = 30.0
-    max_lease_seconds: float = 120.0  # the most a /prefill caller may pin blocks for
-    handshake_timeout_s: float = 5.0  # KV metadata handshake with a peer, start to end
-    pull_timeout_s: float = 10.0
-    max_queue: int = 256  # prefill requests waiting beyond this get 503 + Retry-After
-    max_body_bytes: int = 64 << 20  # internal requests carry token ids: 1M tokens is ~8 MB
-    # Test builds only: POST /debug/engine-fault makes the engine thread raise (the dead-worker
-    # path is tested with it). Needs the internal token like every internal endpoint.
-    fault_injection: bool = False
 
     @property
     def public_host(self) -> str:

@@ -13,15 +13,16 @@ from prometheus_client import CollectorRegistry
 from common.background import BackgroundErrors
 from common.registry import RedisKeys, WorkerPublisher
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.core_client import CoreView, ProcessEngine
 from engine.engine_client import EngineClient
 from engine.llm_engine import LLMEngine
 from kv_transfer.connector import KVConnector
 from kv_transfer.layout import KVLayout
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.transport import TransportConfig, default_transport_name
+from kv_transfer.transport import TransportConfig
+from kv_transfer.transports import default_transport_name
 from worker.metrics import WorkerMetrics
+from worker.role import RoleParts
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class WorkerState:
     settings: WorkerSettings
     registry: CollectorRegistry
     metrics: WorkerMetrics
+    parts: RoleParts = field(default_factory=RoleParts)  # what the role packages add
     engine: EngineClient | None = None
     connector: KVConnector | None = None
     publisher: WorkerPublisher | None = None
@@ -55,13 +57,7 @@ class WorkerState:
 
     async def start(self) -> None:
         s = self.settings
-        config = EngineConfig(
-            model=s.model, model_id=s.model_id, cache_dir=s.cache_dir, device=s.device,
-            dtype=s.dtype, block_size=s.block_size, num_blocks=s.num_blocks,
-            kv_memory_bytes=int(s.kv_memory_gb * (1 << 30)), max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-            num_threads=s.threads, pack_weights=s.pack_weights,
-        )
+        config = s.engine_config()
         if s.engine_process and not s.use_engine_process:
             log.info("engine on a thread: the engine-core process needs the CPU device")
         if s.use_engine_process:

@@ -59,7 +59,7 @@ def test_default_values_render_valid_manifests():
     assert "nvidia.com/gpu" not in worker["containers"][0]["resources"]["limits"]
     assert worker["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     # The router's command line must be one our CLI accepts.
-    from common.cli import build_parser
+    from tandem.cli import build_parser
 
     router_args = deps["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     build_parser().parse_args(["router", *router_args])

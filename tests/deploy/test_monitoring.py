@@ -14,8 +14,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from tandem.cluster import Router, Worker, free_port
 from tests.deploy.tools import ROOT, find
-from tests.worker.cluster import Router, Worker, free_port
 
 DOCKER = ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "tandem.json"
@@ -72,7 +72,7 @@ def test_dashboard_copies_are_generated_and_identical():
 
 
 def test_compose_services_run_commands_our_cli_accepts():
-    from common.cli import build_parser
+    from tandem.cli import build_parser
 
     compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
     services = compose["services"]

@@ -1,7 +1,8 @@
 import pytest
 
+from common.block_events import BlockEvent
 from common.hashing import BlockHasher
-from engine.block_pool import BlockPool, KVEvent
+from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -24,13 +25,13 @@ def test_cached_blocks_survive_free_until_evicted_lru():
     blocks = pool.allocate(3)
     for b, h in zip(blocks, [10, 11, 12], strict=True):
         pool.cache_block(b, h)
-    assert pool.drain_events() == [KVEvent("stored", (10, 11, 12))]
+    assert pool.drain_events() == [BlockEvent("stored", (10, 11, 12))]
     pool.free([blocks[2], blocks[1], blocks[0]])  # tail first
     assert pool.lookup([10, 11, 12]) == blocks  # still hits after free
     # Reusing one block evicts the least recently freed: the tail (hash 12).
     pool.allocate(1)
     assert pool.lookup([10, 11, 12]) == blocks[:2]
-    assert pool.drain_events() == [KVEvent("removed", (12,))]
+    assert pool.drain_events() == [BlockEvent("removed", (12,))]
 
 
 def test_touch_takes_hits_off_free_list():
@@ -60,7 +61,7 @@ def test_reset_only_when_idle():
     assert not pool.reset_prefix_cache()
     pool.free([a])
     assert pool.reset_prefix_cache() and pool.lookup([1]) == []
-    assert pool.drain_events()[-1] == KVEvent("cleared")
+    assert pool.drain_events()[-1] == BlockEvent("cleared")
 
 
 def test_manager_prefix_hits_leave_last_token_to_compute():

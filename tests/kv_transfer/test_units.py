@@ -7,7 +7,7 @@ import torch
 from kv_transfer.descriptors import BlockRun, coalesce, descriptor_arrays
 from kv_transfer.layout import BlockRangeError, KVLayout, LayoutMismatch
 from kv_transfer.lease import LeaseTable
-from kv_transfer.transport import get_transport_class, transport_names
+from kv_transfer.transports import get_transport_class, transport_names
 
 
 def layout(**over) -> KVLayout:

@@ -15,7 +15,7 @@ from loadgen import workload
 from loadgen.bench import run
 from loadgen.report import SLO, percentiles, summarize
 from loadgen.runner import RequestRecord, RunConfig, Runner
-from tests.worker.cluster import ROOT, Router, Worker
+from tandem.cluster import ROOT, Router, Worker
 
 
 def test_workloads_are_seeded_and_shaped():
@@ -77,7 +77,7 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
         assert "| TTFT |" in (tmp_path / "out" / "mt.md").read_text()
         assert (tmp_path / "out" / "mt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency CDFs
         # A rate sweep through the CLI: one run per rate, then throughput/goodput/TTFT vs rate.
-        ok = subprocess.run([sys.executable, "-m", "common.cli", "bench", "--url", f"{r.url}/v1",
+        ok = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "--url", f"{r.url}/v1",
                              "--model", "tiny-random", "--workload", "shared-system", "--size", "4",
                              "--rate", "5,20", "--out", str(tmp_path / "out"), "--name", "sweep"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -86,7 +86,7 @@ def test_bench_drives_a_real_cluster_and_reads_its_counters(tiny_folder, tmp_pat
         assert [x["rate"] for x in runs] == [5.0, 20.0] and all(x["ok"] == 4 for x in runs)
         assert (tmp_path / "out" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
         # Open loop through the CLI; a wrong model is counted as errors and the exit code says so.
-        cli = subprocess.run([sys.executable, "-m", "common.cli", "bench", "--url", f"{r.url}/v1",
+        cli = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "--url", f"{r.url}/v1",
                               "--model", "no-such-model", "--workload", "shared-system", "--size", "3",
                               "--rate", "20", "--out", str(tmp_path / "out"), "--name", "bad"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)

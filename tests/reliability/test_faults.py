@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.worker.cluster import RedisServer, Router, Worker
+from tandem.cluster import RedisServer, Router, Worker
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.netns import Link
-from tests.worker.cluster import Router, Worker, free_port
+from tandem.cluster import Router, Worker, free_port
+from tandem.netns import Link
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("redis-server") is None,

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.worker.cluster import Router, Worker
+from tandem.cluster import Router, Worker
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

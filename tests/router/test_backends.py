@@ -13,16 +13,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.protocol import SamplingOptions
-from router.backends import (
-    BACKENDS,
-    RequestRejected,
-    Timeouts,
-    VLLMBackend,
-    WorkerFailure,
-    _vllm_tokens,
-)
-from router.workers import WorkerInfo, parse_static
+from common.protocol import KVTransferParams, SamplingOptions, TokenLogprob
+from router.backend import RequestRejected, Timeouts, WorkerFailure
+from router.backends import BACKENDS
+from router.vllm_backend import VLLMBackend, _vllm_tokens
+from router.worker_info import WorkerInfo
+from router.workers import parse_static
 
 CAPTURE = Path(__file__).parent / "vllm_capture"
 PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2683, 359, 253, 19484,
@@ -44,7 +40,7 @@ def test_token_ids_and_logprobs_from_vllm_logprobs():
           "top_logprobs": [{"token_id:4093": -0.5, "token_id:520": -6.0}, {"token_id:198": -0.25}]}
     ids, lps = _vllm_tokens(lp, want_lp=True)
     assert ids == [4093, 198]
-    assert lps[0] == {"token_id": 4093, "logprob": -0.5, "top": [[4093, -0.5], [520, -6.0]]}
+    assert lps[0] == TokenLogprob(token_id=4093, logprob=-0.5, top=[(4093, -0.5), (520, -6.0)])
     assert _vllm_tokens(lp, want_lp=False) == ([4093, 198], None)
     with pytest.raises(WorkerFailure, match="token_id:N"):
         _vllm_tokens({"tokens": ["hello"]}, want_lp=False)
@@ -115,7 +111,9 @@ def test_prefill_leg_asks_for_remote_decode_and_returns_vllms_params():
 
     out = asyncio.run(replay.run(go))
     recorded = json.loads((CAPTURE / "prefill.json").read_text())["kv_transfer_params"]
-    assert out == {"first_token_id": None, "kv_transfer_params": recorded, "num_cached_tokens": 0}
+    assert out.first_token_id is None and out.num_cached_tokens == 0
+    # vLLM's params go on to its decode side exactly as it sent them.
+    assert out.kv_transfer_params.model_dump(mode="json", exclude_unset=True) == recorded
     body = replay.bodies[0]
     assert body["prompt"] == PROMPT and body["max_tokens"] == 1 and body["stream"] is False
     assert body["kv_transfer_params"]["do_remote_decode"] is True
@@ -127,16 +125,17 @@ def test_prefill_leg_asks_for_remote_decode_and_returns_vllms_params():
 def test_decode_leg_streams_token_ids_and_resumes_after_sent_tokens():
     replay = Replay()
     kv = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e"}
+    params = KVTransferParams.model_construct(**kv)
 
     async def go(backend, w):
-        evs = await _collect(backend, w, sent=[11, 12], logprobs=2, kv=kv)
+        evs = await _collect(backend, w, sent=[11, 12], logprobs=2, kv=params)
         return evs, w.inflight
 
     events, inflight = asyncio.run(replay.run(go))
     assert [t for ev in events for t in ev.token_ids] == [4093, 198, 57, 5248, 3012, 327]
     assert [ev.finish_reason for ev in events] == [None] * 5 + ["length"]
-    assert events[0].logprobs[0]["token_id"] == 4093
-    assert events[0].logprobs[0]["top"][1] == [520, -6.164328098297119]
+    assert events[0].logprobs[0].token_id == 4093
+    assert events[0].logprobs[0].top[1] == (520, -6.164328098297119)
     assert inflight == 0
     body = replay.bodies[0]
     assert body["prompt"] == PROMPT + [11, 12]  # resume: prompt plus what the client has

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.worker.cluster import RedisServer, Router, Worker
+from tandem.cluster import RedisServer, Router, Worker
 
 pytestmark = pytest.mark.redis
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.worker.cluster import Router, Worker
+from tandem.cluster import Router, Worker
 
 pytestmark = pytest.mark.redis
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.protocol import RequestTiming
 from router.dispatch import learn_bandwidth
 from router.policy import NoWorkers, RouteContext, make_policy
 from router.settings import RouterSettings
-from router.workers import WorkerInfo
+from router.worker_info import WorkerInfo
 
 BS = 16
 
@@ -81,13 +82,13 @@ def test_transfer_is_charged_at_the_measured_bandwidth():
 
 def test_measured_bandwidth_is_an_ewma_of_real_pulls():
     d = worker("d", "decode")
-    learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.01})
+    learn_bandwidth(d, RequestTiming(transfer_bytes=10 << 20, transfer_s=0.01))
     assert d.transfer_bytes_per_s == pytest.approx((10 << 20) / 0.01)
-    learn_bandwidth(d, {"transfer_bytes": 10 << 20, "transfer_s": 0.02})
+    learn_bandwidth(d, RequestTiming(transfer_bytes=10 << 20, transfer_s=0.02))
     assert d.transfer_bytes_per_s == pytest.approx(0.8 * (10 << 20) / 0.01 + 0.2 * (10 << 20) / 0.02)
     before = d.transfer_bytes_per_s
-    learn_bandwidth(d, {"transfer_bytes": 4096, "transfer_s": 0.5})  # tiny pull: all fixed cost
-    learn_bandwidth(d, {})
+    learn_bandwidth(d, RequestTiming(transfer_bytes=4096, transfer_s=0.5))  # tiny pull: all fixed cost
+    learn_bandwidth(d, RequestTiming())
     assert d.transfer_bytes_per_s == before
 
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.worker.cluster import ROOT, Router, free_port, scrape, wait_http_ok
+from tandem.cluster import ROOT, Router, free_port, scrape, wait_http_ok
 
 pytestmark = pytest.mark.vllm
 

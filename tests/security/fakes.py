@@ -9,7 +9,7 @@ import json
 import threading
 
 from kv_transfer.tcp_wire import HEADER as _HEADER
-from tests.worker.cluster import free_port
+from tandem.cluster import free_port
 
 
 class FakePeer:

@@ -19,8 +19,8 @@ import redis
 import yaml
 
 from common.registry import registration_signature
+from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
 from tests.security.fakes import FakePeer
-from tests.worker.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -251,7 +251,7 @@ def test_compose_has_no_default_token():
 
 def test_a_worker_beyond_loopback_needs_a_token(tiny_folder, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_INTERNAL_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "prefill", "--model", str(tiny_folder),
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "prefill", "--model", str(tiny_folder),
                            "--host", "0.0.0.0", "--port", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -305,7 +305,7 @@ def _procs_of(ns: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"common.cli" in cmd and ns.encode() in cmd:
+        if b"tandem.cli" in cmd and ns.encode() in cmd:
             out.append(int(pid))
     return out
 
@@ -326,7 +326,7 @@ def test_tandem_up_generates_a_token_and_restarts_a_dead_worker(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_INTERNAL_TOKEN"}
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "common.cli", "up", "--model", MODEL,
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--model", MODEL,
                            "--cache-dir", str(tmp_path), "--port", str(port), "--namespace", ns,
                            "--num-blocks", "64", "--enable-fault-injection"],
                           cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

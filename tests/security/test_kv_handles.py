@@ -19,8 +19,8 @@ import xxhash
 from common.hashing import hash_tokens
 from engine import SamplingParams
 from kv_transfer import handle
+from tandem.cluster import TOKEN, Worker
 from tests.security.fakes import FakePeer
-from tests.worker.cluster import TOKEN, Worker
 
 pytestmark = pytest.mark.redis
 

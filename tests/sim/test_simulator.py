@@ -87,7 +87,7 @@ def test_profile_file_and_cli(tmp_path, monkeypatch):
 
 
 def test_shared_host_is_processor_sharing():
-    from sim.simulator import Clock, Host
+    from sim.host import Clock, Host
 
     def finish_times(cores: float, works: list[float]) -> list[float]:
         clock = Clock()
@@ -145,7 +145,7 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
     import sys
     from dataclasses import replace
 
-    from tests.worker.cluster import ROOT
+    from tandem.cluster import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import fit, simulated_cpu
@@ -231,7 +231,7 @@ def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_
 def test_repeated_measurements_pool_into_one():
     import sys
 
-    from tests.worker.cluster import ROOT
+    from tandem.cluster import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import pool
@@ -251,7 +251,7 @@ def test_repeated_measurements_pool_into_one():
 def test_host_capacity_is_at_most_the_core_count():
     import sys
 
-    from tests.worker.cluster import ROOT
+    from tandem.cluster import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import host_capacity

@@ -17,7 +17,7 @@ import redis
 
 from common.registry import RedisKeys
 from engine import SamplingParams
-from tests.worker.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
+from tandem.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
 
 pytestmark = pytest.mark.redis
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from engine import SamplingParams
-from tests.worker.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
+from tandem.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
 
 pytestmark = pytest.mark.redis
 

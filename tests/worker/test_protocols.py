@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
-from tests.worker.cluster import Worker, free_port, pd_generate
+from tandem.cluster import Worker, free_port, pd_generate
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 # Installed with the dev extra into the same environment as the test runner.

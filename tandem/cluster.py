@@ -1,5 +1,5 @@
-"""Worker processes for the integration tests: real `tandem prefill|decode|colocated`
-processes on loopback, a real Redis, real NIXL (or TCP) between them."""
+"""Local clusters for the integration tests and the benchmarks: real `tandem prefill|decode|
+colocated|router` processes on loopback, a real Redis, real NIXL (or TCP) between them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import redis
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "internal-test-token"
 REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -66,7 +66,7 @@ class Worker:
         self.token = token
         # In a network namespace (another "host"): `ip netns exec`, bound to that host's address.
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        cmd = [*prefix, sys.executable, "-m", "common.cli", role, "--model", model, "--cache-dir",
+        cmd = [*prefix, sys.executable, "-m", "tandem.cli", role, "--model", model, "--cache-dir",
                str(cache_dir), "--port", str(self.port), "--num-blocks", str(num_blocks),
                "--block-size", str(block_size), "--heartbeat-ttl", str(ttl), "--host", host]
         if namespace:
@@ -163,7 +163,7 @@ class Router:
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "common.cli", "router", "--model", tokenizer_folder.name,
+        cmd = [sys.executable, "-m", "tandem.cli", "router", "--model", tokenizer_folder.name,
                "--tokenizer", str(tokenizer_folder), "--block-size", str(block_size),
                "--port", str(self.port), "--policy", policy]
         if redis_url:

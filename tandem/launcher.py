@@ -58,7 +58,7 @@ class Cluster:
         log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")  # a restart appends
         # The token goes by environment, not argv: argv is readable by every user (ps).
         env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or ""}
-        proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         self.specs[name] = args

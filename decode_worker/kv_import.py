@@ -1,0 +1,63 @@
+"""The decode side of a KV transfer: check a prefill worker's signed handle, then pull the blocks
+this worker lacks through the KV connector (DESIGN.md request path, step 6). Any failure falls
+back to local prefill; nothing a peer sends can fail the request."""
+
+from __future__ import annotations
+
+import logging
+
+from common.protocol import KVTransferParams
+from kv_transfer import handle
+from kv_transfer.layout import BlockRangeError, LayoutMismatch
+from kv_transfer.transport import TransferError, TransferTimeout
+from worker.state import WorkerState
+
+log = logging.getLogger(__name__)
+
+
+class BlockImporter:
+    """`worker.role.KVImporter` over the worker's `KVConnector` (NIXL or TCP)."""
+
+    def accepts(self, state: WorkerState, kvp: KVTransferParams, prompt: list[int],
+                request_id: str) -> bool:
+        """Signed by a holder of the internal token, unexpired, and issued for exactly this
+        prompt (kv_transfer/handle.py)."""
+        s = state.settings
+        try:
+            handle.verify(kvp, s.internal_token, prompt, state.core.hasher(prompt),
+                          s.require_signed_handles)
+        except handle.InvalidHandle as e:
+            state.metrics.pull_fallbacks.labels("invalid_handle").inc()
+            log.warning("refused a KV handle (%s); prefilling locally", e,
+                        extra={"request_id": request_id})
+            return False
+        return True
+
+    async def pull(self, state: WorkerState, kvp: KVTransferParams, request_id: str,
+                   block_table: list[int], num_local: int, num_kv_tokens: int) -> tuple[bool, int]:
+        connector, core = state.connector, state.core
+        num_kv_blocks = -(-num_kv_tokens // core.block_size)
+        remote = kvp.remote_block_ids or []
+        remote_rid = kvp.remote_request_id or request_id
+        try:
+            if len(remote) < num_kv_blocks or not kvp.remote_host or kvp.remote_port is None:
+                raise TransferError(f"kv_transfer_params name {len(remote)} blocks and "
+                                    f"{kvp.remote_host}:{kvp.remote_port}; {num_kv_blocks} blocks needed")
+            peer = await connector.peer(kvp.remote_engine_id,
+                                        f"http://{kvp.remote_host}:{kvp.remote_port}")
+            if num_local >= num_kv_blocks:
+                await connector.notify(peer, remote_rid)
+                return True, 0
+            stats = await connector.fetch(peer, remote_rid, remote[num_local:num_kv_blocks],
+                                          block_table[num_local:num_kv_blocks])
+            return True, stats.num_bytes
+        except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
+            timed_out = isinstance(e, TransferTimeout) or "timed out" in str(e)
+            state.metrics.pull_fallbacks.labels("timeout" if timed_out else type(e).__name__).inc()
+            log.warning("KV pull failed (%s); prefilling locally", e, extra={"request_id": request_id})
+            return False, 0
+        except Exception as e:  # noqa: BLE001 - whatever a peer sent, the request falls back
+            state.metrics.pull_fallbacks.labels("error").inc()
+            log.exception("KV pull failed unexpectedly (%s); prefilling locally", e,
+                          extra={"request_id": request_id})
+            return False, 0

@@ -1,0 +1,65 @@
+"""The prefill role's logic: compute a prompt to its first token, then keep and export its
+blocks under a lease for a decode worker to pull (DESIGN.md request path, step 4)."""
+
+from __future__ import annotations
+
+from common.hashing import hash_tokens
+from common.protocol import KVTransferParams, PrefillResponse, TokenLogprob
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+from kv_transfer import handle
+from worker.errors import APIError, api_error
+from worker.state import WorkerState
+
+
+async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
+                      params: SamplingParams, lease_seconds: float | None,
+                      always_export: bool = False) -> PrefillResponse:
+    """Prefill to the first token; keep and export the prompt's blocks unless already finished.
+
+    `always_export` is vLLM's semantics: the proxy caps the prefill leg at `max_tokens: 1` and the
+    decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
+    """
+    s = state.settings
+    if lease_seconds is not None and lease_seconds > s.max_lease_seconds:
+        raise APIError(400, f"lease_seconds must be at most {s.max_lease_seconds}", "invalid_lease",
+                       "lease_seconds")
+    if state.num_prefill_inflight >= s.max_queue:
+        state.metrics.shed.inc()
+        raise APIError(503, "prefill queue is full", "overloaded", headers={"Retry-After": "1"})
+    state.num_prefill_inflight += 1
+    engine, core = state.engine, state.core
+    try:
+        out: RequestOutput | None = None
+        try:
+            async for out in engine.generate(request_id, prompt, params, hold_blocks=True):  # noqa: B007
+                pass
+        except ValueError as e:
+            raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
+    finally:
+        state.num_prefill_inflight -= 1
+    assert out is not None and out.finished
+    if out.finish_reason == "abort":
+        raise APIError(503, "request was aborted", "aborted")
+    state.metrics.observe_first_token(out, "prefill")
+    done = not always_export and (out.finish_reason == "stop" or params.max_tokens <= 1)
+    kv = KVTransferParams()
+    if done or state.connector is None:
+        await engine.call("release", request_id)
+    else:
+        block_ids = await engine.call("block_table", request_id)
+        exported = state.connector.export(request_id, block_ids, lease_seconds)
+        fields = dict(do_remote_prefill=True, remote_host=s.public_host, remote_port=s.port,
+                      block_hashes=core.hasher(prompt), num_tokens=len(prompt),
+                      prompt_hash=hash_tokens(prompt), expires_at=exported["lease_expires_at"],
+                      **exported)
+        kv = KVTransferParams(**handle.sign(fields, s.internal_token))
+    lp = out.logprobs[0] if out.logprobs else None
+    return PrefillResponse(
+        request_id=request_id,
+        first_token_id=out.token_ids[0],
+        num_cached_tokens=out.num_cached_tokens,
+        kv_transfer_params=kv,
+        first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top) if lp else None,
+        finish_reason=out.finish_reason if done else None,
+    )

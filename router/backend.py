@@ -1,0 +1,177 @@
+"""How the router talks to one kind of worker (DESIGN.md "Worker <-> router API"): the
+`Backend` Protocol every kind implements, its errors and events, and the HTTP plumbing they
+share. The kinds, by name, are in router/backends.py.
+
+Every backend speaks in token ids: prompts go out as ids (the router tokenized them) and tokens
+come back as ids, so routing, stop strings, resume and detokenization are the same for both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import aiohttp
+import orjson
+import yarl
+from pydantic import BaseModel, ValidationError
+
+from common.protocol import KVTransferParams, PrefillResponse, SamplingOptions, StreamEvent
+from router.worker_info import WorkerInfo
+
+
+class WorkerFailure(RuntimeError):
+    """A worker could not be reached or answered with a server error."""
+
+
+class RequestRejected(RuntimeError):
+    """A worker refused the request itself (4xx): retrying elsewhere would not help."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else body.get("message", str(body))
+        super().__init__(msg or str(body))
+        self.status, self.body = status, body
+
+
+@dataclass
+class Timeouts:
+    """Per-hop limits (seconds). A stalled worker (SIGSTOPped, swapping, wedged) still accepts
+    connections and never answers, so only a timeout turns it into a failure the dispatcher can
+    route around: prefill is retried elsewhere, a decode stream resumes on another worker."""
+
+    prefill_s: float = 60.0
+    stream_stall_s: float = 30.0  # longest gap between two chunks of a decode stream
+    total_s: float = 300.0
+
+
+class Backend(Protocol):
+    def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
+                 timeouts: Timeouts) -> None: ...
+
+    async def prefill(self, w: WorkerInfo, request_id: str, prompt: list[int],
+                      sampling: SamplingOptions) -> PrefillResponse:
+        """The prefill leg's answer (common/protocol.py); `first_token_id` is None when the
+        decode leg produces every token (vLLM). Raises WorkerFailure or RequestRejected."""
+
+    def generate(self, w: WorkerInfo, request_id: str, prompt: list[int], sent: list[int],
+                 sampling: SamplingOptions, kv_params: KVTransferParams | None
+                 ) -> AsyncIterator[StreamEvent]:
+        """Tokens after `prompt + sent`; the last event has a finish reason. Closing the
+        iterator closes the HTTP stream, which aborts the request on the worker."""
+
+    async def probe(self, w: WorkerInfo) -> dict:
+        """Health check of a statically listed worker; returns what it learned (model,
+        max_model_len). Raises WorkerFailure when the worker is not healthy."""
+
+
+class HTTPBackend:
+    """Worker hops go through aiohttp: per request it costs about a third of httpx's CPU, which is
+    most of what the router adds to a request on a small machine (bench/router_overhead.py)."""
+
+    def __init__(self, http: aiohttp.ClientSession, token: str | None, model: str,
+                 timeouts: Timeouts) -> None:
+        self.http = http
+        self.model = model
+        self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
+        self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
+        self.headers = {"Content-Type": "application/json"}
+        if token:  # Tandem's internal token, or a vLLM server's --api-key
+            self.headers["Authorization"] = f"Bearer {token}"
+
+
+async def post_json(http, w: WorkerInfo, path: str, headers: dict, body: dict,
+                    timeout: aiohttp.ClientTimeout, raw_answer: bool = False):
+    """POST `body`; the answer's JSON (or its bytes with `raw_answer`)."""
+    try:
+        async with http.post(url(w.url, path), data=orjson.dumps(body), headers=headers,
+                             timeout=timeout) as r:
+            raw = await r.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
+    check(w, r.status, raw)
+    return raw if raw_answer else orjson.loads(raw)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse(w: WorkerInfo, model: type[Model], raw: bytes | str) -> Model:
+    """A worker's answer as the wire model it must be; anything else is a failed worker."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise WorkerFailure(f"{w.worker_id}: malformed {model.__name__}: {e.errors()[:1]}") from e
+
+
+async def get_json(http, w: WorkerInfo, path: str, headers: dict, parse: bool = True) -> dict:
+    try:
+        async with http.get(f"{w.url}{path}", headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            raw = await r.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise WorkerFailure(f"{w.worker_id}: {e!r}") from e
+    if r.status != 200:
+        raise WorkerFailure(f"{w.worker_id}: {path} answered HTTP {r.status}")
+    return orjson.loads(raw) if parse and raw else {}
+
+
+def check(w: WorkerInfo, status: int, raw: bytes) -> None:
+    if status >= 500 or status == 429:
+        raise WorkerFailure(f"{w.worker_id}: HTTP {status}")
+    if status >= 400:
+        raise RequestRejected(status, error_body(raw))
+
+
+class stream:
+    """`async with stream(...) as response`: a POST whose body is read as it arrives; connection
+    errors and worker 5xx become WorkerFailure, 4xx RequestRejected, and the worker's in-flight
+    count covers the whole stream."""
+
+    def __init__(self, http, w: WorkerInfo, path: str, headers: dict, body: dict,
+                 timeout: aiohttp.ClientTimeout) -> None:
+        self.http, self.w, self.path, self.headers, self.body = http, w, path, headers, body
+        self.timeout = timeout
+        self._cm = None
+
+    async def __aenter__(self):
+        self.w.inflight += 1
+        try:
+            self._cm = self.http.post(url(self.w.url, self.path), data=orjson.dumps(self.body),
+                                      headers=self.headers, timeout=self.timeout)
+            r = await self._cm.__aenter__()
+            if r.status >= 400:
+                raw = await r.read()
+                await self._cm.__aexit__(None, None, None)
+                self._cm = None
+                check(self.w, r.status, raw)
+            return r
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.w.inflight -= 1
+            raise WorkerFailure(f"{self.w.worker_id}: {e!r}") from e
+        except BaseException:
+            self.w.inflight -= 1
+            raise
+
+    async def __aexit__(self, et, e, tb):
+        self.w.inflight -= 1
+        if self._cm is not None:
+            await self._cm.__aexit__(et, e, tb)
+        if isinstance(e, aiohttp.ClientError | TimeoutError):
+            raise WorkerFailure(f"{self.w.worker_id}: {e!r}") from e
+        return False
+
+
+@functools.lru_cache(maxsize=4096)
+def url(base: str, path: str) -> yarl.URL:
+    # Parsed once per worker and path: aiohttp would parse the string again on every call.
+    return yarl.URL(base + path)
+
+
+def error_body(raw: bytes) -> dict:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": raw[:500].decode(errors="replace")}}

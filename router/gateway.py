@@ -1,0 +1,244 @@
+"""The router's request path (DESIGN.md "Request path", steps 1-3 and 7): validate and tokenize
+a request, hash its blocks, one index round trip for every live worker's leading match, a plan
+from the policy (`plan_for`, pure: the simulator calls it too), the plan run by the dispatcher.
+Response shaping (JSON, SSE) is in router/responses.py; app.py only wires HTTP to this."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from common.background import BackgroundErrors
+from common.errors import APIError
+from common.hashing import BlockHasher
+from common.openai_request import prompt_token_ids
+from common.protocol import SamplingOptions, StreamEvent
+from common.registry import RedisKeys
+from common.tokenizer import Tokenizer
+from router.admission import Admission
+from router.backend import RequestRejected, Timeouts, WorkerFailure
+from router.backends import BACKENDS
+from router.dispatch import Dispatcher, Trace
+from router.index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from router.limits import KeyAuth, RateLimiter, load_keys
+from router.metrics import RouterMetrics
+from router.openai_format import text_chars
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
+from router.settings import RouterSettings
+from router.worker_info import WorkerInfo
+from router.workers import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def plan_for(policy: Policy, num_tokens: int, matches: dict[str, int],
+             live: list[WorkerInfo], num_blocks: int, block_size: int) -> Plan:
+    """The policy's plan for a prompt of `num_tokens` (`num_blocks` full blocks) given each live
+    worker's leading match; raises `NoWorkers`. No I/O, no state: the simulator's router."""
+    by_role = {r: [w for w in live if w.role == r] for r in ROLES}
+    ctx = RouteContext(num_tokens, num_blocks, matches, by_role["prefill"], by_role["decode"],
+                       by_role["colocated"], block_size)
+    return policy.choose(ctx)
+
+
+class Gateway:
+    """One router's collaborators, given explicitly: tokenizer, block hasher, worker directory,
+    routing policy, prefix index, dispatcher, admission, key auth, rate limiter and metrics.
+    The index, limiter and dispatcher need Redis and an HTTP session: `running()` opens them
+    (the app's lifespan) unless they were given."""
+
+    def __init__(self, settings: RouterSettings, *, tokenizer: Tokenizer, hasher: BlockHasher,
+                 directory: WorkerDirectory, policy: Policy, metrics: RouterMetrics,
+                 registry: CollectorRegistry, admission: Admission, auth: KeyAuth,
+                 index: PrefixIndex | None = None, limiter: RateLimiter | None = None,
+                 dispatcher: Dispatcher | None = None) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+        self.directory = directory
+        self.policy = policy
+        self.metrics = metrics
+        self.registry = registry
+        self.admission = admission
+        self.auth = auth
+        self.index = index
+        self.limiter = limiter
+        self.dispatcher = dispatcher
+        # vLLM backends publish no block sets to our Redis: for them the router remembers what
+        # it sent where (approximate, like the SGLang router's cache_aware tree).
+        self.approx_index = MemoryPrefixIndex()
+        self.keys = RedisKeys(settings.namespace)
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> Gateway:
+        registry = CollectorRegistry()
+        errors = BackgroundErrors(registry)
+        directory = WorkerDirectory(RedisKeys(settings.namespace), settings.workers,
+                                    settings.breaker_failures, settings.breaker_cooldown_s,
+                                    settings.redis_restart_grace_s, errors, settings.internal_token)
+        return cls(settings, tokenizer=Tokenizer(settings.tokenizer_folder),
+                   hasher=BlockHasher(settings.model, settings.block_size, settings.hash_salt),
+                   directory=directory, policy=make_policy(settings.policy, settings),
+                   metrics=RouterMetrics(registry), registry=registry,
+                   admission=Admission(settings.max_running, settings.max_queued),
+                   auth=KeyAuth(load_keys(settings.api_keys, settings.api_keys_file)))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Gateway]:
+        """Open the HTTP session and Redis, probe the workers, run the background refreshes."""
+        s, directory = self.settings, self.directory
+        async with AsyncExitStack() as stack:
+            http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=s.request_timeout_s, connect=2.0),
+                connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=60),
+                auto_decompress=False, read_bufsize=1 << 20)  # one NDJSON event must fit a line
+            stack.push_async_callback(http.close)
+            tokens = {"tandem": s.internal_token, "vllm": s.vllm_api_key}
+            timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s)
+            backends = {name: cls(http, tokens[name], s.model, timeouts) for name, cls in BACKENDS.items()}
+            if self.dispatcher is None:
+                self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
+                                             s.retry_backoff_s)
+
+            def probe(w):
+                return backends[w.backend].probe(w)
+
+            await directory.probe_all(probe)
+            # Every worker is health-checked, Redis-discovered ones too (a heartbeat is not readiness).
+            tasks = [asyncio.create_task(directory.run_probes(probe, s.probe_interval_s))]
+            try:
+                redis = None
+                if s.redis_url:
+                    import redis.asyncio as aioredis
+
+                    redis = aioredis.from_url(s.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+                    stack.push_async_callback(redis.aclose)
+                    await directory.refresh(redis)
+                    tasks.append(asyncio.create_task(directory.run(redis, s.refresh_interval_s)))
+                else:
+                    log.warning("no Redis configured: in-process prefix index (learns from routing only)")
+                if self.index is None:
+                    self.index = RedisPrefixIndex(redis, self.keys, s.index_search) if redis else MemoryPrefixIndex()
+                if self.limiter is None:
+                    self.limiter = RateLimiter(redis, self.keys, s.rate_limit_rpm, s.rate_limit_tpm)
+                yield self
+            finally:  # the background tasks stop before Redis and the HTTP session close
+                await _cancel_all(tasks)
+
+    # ---- one request ---------------------------------------------------------------------------
+
+    async def route(self, prompt: list[int]) -> Plan:
+        t0 = time.perf_counter()
+        hashes = self.hasher(prompt)
+        live = [w for r in ROLES for w in self.directory.live(r)]
+        ids = [w.worker_id for w in live if w.backend == "tandem"]
+        approx_ids = [w.worker_id for w in live if w.backend != "tandem"]
+        try:
+            matches = await self.index.match(hashes, ids) if ids else {}
+            self.metrics.redis_up.set(1)
+        except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
+            log.warning("prefix index unavailable (%s): load-only routing", e)
+            self.metrics.redis_up.set(0)
+            matches = dict.fromkeys(ids, 0)
+        if approx_ids:
+            matches.update(await self.approx_index.match(hashes, approx_ids))
+        try:
+            plan = plan_for(self.policy, len(prompt), matches, live, len(hashes), self.settings.block_size)
+        except NoWorkers as e:
+            raise APIError(503, str(e), "no_workers", headers={"Retry-After": "1"}) from e
+        # Both legs end up holding the prompt's blocks (the decode side after its pull).
+        for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
+            (self.index if w.backend == "tandem" else self.approx_index).record(w.worker_id, hashes)
+        self.metrics.route.labels(plan.kind).inc()
+        self.metrics.overhead.observe(time.perf_counter() - t0)
+        return plan
+
+    def sampling(self, body, n_index: int) -> SamplingOptions:
+        lp = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) and body.logprobs else None
+        if isinstance(body, CompletionRequest):
+            lp = body.logprobs
+        try:
+            return body.sampling_options(self.settings.max_tokens_default, n_index, lp)
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request") from e
+
+    def _encode(self, body) -> list[int]:
+        return prompt_token_ids(self.tokenizer, body)
+
+    async def prompt_ids(self, body) -> list[int]:
+        s = self.settings
+        if body.model != s.model:
+            raise APIError(404, f"model {body.model!r} does not exist; this router serves {s.model!r}",
+                           "model_not_found", "model")
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        limit = self.directory.max_model_len(s.max_model_len_default)
+        max_tokens = body.requested_max_tokens() or 0
+        chars = text_chars(body)
+        # Cheap checks first: a text longer than `limit` tokens could ever cover is refused
+        # before any tokenizing, and a large one is tokenized off the event loop, so a few
+        # multi-megabyte bodies cannot stall every other request (and /health).
+        max_token_bytes = self.tokenizer.max_token_bytes
+        if max_token_bytes and chars > max_token_bytes * limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"request's {chars} characters of text are longer than that",
+                           "context_length_exceeded", param)
+        ids = await asyncio.to_thread(self._encode, body) if chars > s.offload_chars else self._encode(body)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
+        vocab_size = self.tokenizer.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab_size:  # also keeps them hashable as uint32
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "invalid_prompt", "prompt")
+        if len(ids) + max(max_tokens, 1) > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
+                           f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
+                           "context_length_exceeded", param)
+        return ids
+
+    async def run_one(self, body, prompt: list[int], idx: int, rid: str,
+                      client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
+        """One choice's events as they come, each with the request's trace."""
+        opts = self.sampling(body, idx)
+        plan = await self.route(prompt)
+        trace = Trace(plan.kind, client_request_id=client_rid)
+        try:
+            async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace)) as events:
+                async for ev in events:
+                    yield ev, trace
+        except RequestRejected as e:
+            raise APIError(e.status, str(e), "rejected_by_worker") from e
+        except WorkerFailure as e:
+            self.metrics.requests.labels("503").inc()
+            raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
+                           headers={"Retry-After": "1"}) from e
+
+    def observe_trace(self, trace: Trace | None) -> None:
+        if trace is None:
+            return
+        m = self.metrics
+        m.hit_tokens.labels("prefill" if trace.plan == "disagg" else "decode").inc(trace.num_cached_tokens)
+        if trace.prefill_s:
+            m.prefill.observe(trace.prefill_s)
+        if trace.retries:
+            m.retries.labels("prefill").inc(trace.retries)
+        if trace.resumed:
+            m.retries.labels("resume").inc(trace.resumed)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,51 @@
+"""The `tandem` backend: Tandem workers' internal API (`POST /prefill`, NDJSON `POST /generate`);
+the prefill leg returns the first token, which the client gets before the decode leg starts.
+Answers are parsed into common/protocol.py's models, the ones the workers send."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from common.protocol import PrefillResponse, StreamEvent
+from router.backend import HTTPBackend, WorkerFailure, get_json, parse, post_json, stream
+
+
+class TandemBackend(HTTPBackend):
+    """Tandem workers' internal API."""
+
+    async def prefill(self, w, request_id, prompt, sampling) -> PrefillResponse:
+        raw = await post_json(self.http, w, "/prefill", self.headers, {
+            "request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling.model_dump()},
+            self.prefill_timeout, raw_answer=True)
+        return parse(w, PrefillResponse, raw)
+
+    async def generate(self, w, request_id, prompt, sent, sampling, kv_params
+                       ) -> AsyncIterator[StreamEvent]:
+        body = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": list(sent),
+                "sampling": sampling.model_dump()}
+        if kv_params is not None:
+            # Opaque to the router: exactly the fields the prefill worker signed.
+            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True)
+        async with stream(self.http, w, "/generate", self.headers, body, self.stream_timeout) as r:
+            last = None
+            async for line in r.content:  # NDJSON: one event per line
+                line = line.strip()
+                if not line:
+                    continue
+                ev = parse(w, StreamEvent, line)
+                if ev.error:
+                    raise WorkerFailure(f"{w.worker_id}: {ev.error}")
+                if ev.finish_reason is not None:
+                    # Hold the last event until the body's end: a response read to EOF goes
+                    # back to the pool; one closed early costs a new TCP connection next time.
+                    last = ev
+                    continue
+                yield ev
+            if last is not None:
+                yield last
+
+    async def probe(self, w) -> dict:
+        # /ready, not /health: a worker that is up but cannot serve (engine failed, still
+        # starting, shutting down) answers 503 there and is taken out of routing at once.
+        await get_json(self.http, w, "/ready", self.headers)
+        return {}

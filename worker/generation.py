@@ -1,0 +1,79 @@
+"""One request's generation on this worker, shared by `/generate` and the OpenAI endpoints:
+with a KV handle the role's importer pulls the prompt's blocks first (local prefill if the pull
+fails or the worker has no importer), then the request joins the batch and streams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from common.protocol import GenerateRequest, RequestTiming
+from engine.llm_engine import DuplicateRequestId, RequestOutput
+from engine.sampling_params import SamplingParams
+from worker.errors import APIError, api_error
+from worker.state import WorkerState
+
+
+async def stream_generate(
+    state: WorkerState, req: GenerateRequest, params: SamplingParams
+) -> AsyncIterator[tuple[RequestOutput, RequestTiming | None]]:
+    """Outputs of one request, the last one with its timing."""
+    engine, importer = state.engine, state.parts.importer
+    rid = req.request_id
+    kvp = req.kv_transfer_params
+    t0 = time.monotonic()
+    transfer_s, transfer_bytes = 0.0, 0
+    try:
+        q = engine.open_stream(rid)
+    except DuplicateRequestId as e:
+        raise api_error(e) from e
+    added = False
+    try:
+        # An invalid handle means a local prefill: nothing is pulled, nothing foreign is cached.
+        remote = (kvp is not None and kvp.do_remote_prefill and state.connector is not None
+                  and importer is not None
+                  and importer.accepts(state, kvp, req.prompt_token_ids, rid))
+        if not remote:
+            kvp = None
+        if remote:
+            try:
+                block_table, num_local = await engine.call(
+                    "import_request", rid, req.prompt_token_ids, params, req.output_token_ids)
+            except MemoryError as e:
+                raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
+            except ValueError as e:
+                raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
+            added = True
+            num_kv_tokens = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
+            ok, transfer_bytes = await importer.pull(state, kvp, rid, block_table, num_local,
+                                                     num_kv_tokens)
+            transfer_s = time.monotonic() - t0
+            if not await engine.call("finish_import", rid, ok):
+                return  # aborted while pulling
+        else:
+            try:
+                await engine.call("add_request", rid, req.prompt_token_ids, params,
+                                  req.output_token_ids)
+            except ValueError as e:
+                raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
+            added = True
+        first = True
+        async for out in engine.outputs(rid, q):
+            if first and kvp is None:
+                state.metrics.observe_first_token(out, "decode")
+            first = False
+            state.metrics.generated_tokens.inc(len(out.new_token_ids))
+            timing = None
+            if out.finished:
+                added = False
+                # An imported request is created before its pull; the pull is not queueing.
+                queue_s = (out.first_scheduled_time - out.arrival_time - transfer_s
+                           if out.first_scheduled_time else 0.0)
+                timing = RequestTiming(queue_s=max(queue_s, 0.0), transfer_s=transfer_s,
+                                       transfer_bytes=transfer_bytes,
+                                       decode_s=time.monotonic() - t0 - transfer_s)
+            yield out, timing
+    finally:
+        engine.close_stream(rid)
+        if added and engine.alive:
+            engine.post("abort_request", rid)
