@@ -256,8 +256,9 @@ def main() -> int:
     for isl in isls:
         max_len = 2 * (isl + args.output_tokens) + 256
         for conc in concs:
-            for target in targets:
-                for rep in range(args.repeats):
+            # Repeats outermost: a drift of this machine's speed hits every target alike.
+            for rep in range(args.repeats):
+                for target in targets:
                     name = f"{target}-c{conc}-i{isl}-r{rep}"
                     procs = Procs(work)
                     procs.logs = work / name

@@ -125,6 +125,9 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompts longer than this are prefilled one at a time (engine/scheduler.py); None: no limit.
+    long_prefill_token_threshold: int | None = 512
+    max_long_prefills: int = 1
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     hash_salt: str | None = None
@@ -147,6 +150,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1 (or None)")
+        if self.max_long_prefills < 1:
+            raise ValueError("max_long_prefills must be >= 1")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -73,7 +73,8 @@ class LLMEngine:
         self.hasher = BlockHasher(self.model_id, self.block_size, config.hash_salt)
         self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold, config.max_long_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.requests: dict[str, Sequence] = {}

@@ -6,6 +6,13 @@ while budget, sequence slots and blocks last. When a running sequence cannot get
 most recently admitted running sequence is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed (its full blocks usually come straight back from the
 prefix cache).
+
+Long prompts are prefilled one after another, not side by side (vLLM's
+`max_long_partial_prefills`): a step holds at most `max_long_prefills` prefills of more than
+`long_prefill_token_threshold` tokens, and a long prompt waits while short ones behind it are
+admitted. Equal work split across two prompts gives both their first token when both are done;
+done in turn, the first one is answered in half the time and the second no later, and the
+running decodes get a step between the two (shorter steps, lower inter-token latency).
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None = None, max_long_prefills: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # None: no limit
+        self.max_long_prefills = max_long_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -57,10 +67,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = list(self.running)
+        num_long = 0
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_long += self._is_long(seq.num_tokens - seq.num_computed_tokens)
             while not self.kv.allocate(seq, num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -74,10 +86,17 @@ class Scheduler:
         self.running = running
 
         # Admitting new work while others were just preempted would only thrash.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if out.preempted:
+            return out
+        deferred: list[Sequence] = []  # long prompts waiting for the one in progress
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.kv.computed_prefix(seq) if not seq.block_table else []
             computed = len(prefix) * self.kv.block_size if prefix else seq.num_computed_tokens
+            long = self._is_long(seq.num_tokens - computed)
+            if long and num_long >= self.max_long_prefills:
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = min(seq.num_tokens - computed, budget)
             if not self.kv.allocate(seq, num_new, prefix):
                 break
@@ -86,7 +105,13 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+            num_long += long
+        self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return out
+
+    def _is_long(self, num_prefill_tokens: int) -> bool:
+        t = self.long_prefill_token_threshold
+        return t is not None and num_prefill_tokens > t
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
