@@ -61,6 +61,10 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(64, description="sequences in one batch")
     max_num_batched_tokens: int = Field(2048, description="tokens in one engine step (decodes "
                                         "plus prefill chunks)")
+    long_prefill_token_threshold: int = Field(512, ge=0, description="prompts longer than this "
+                                              "are prefilled one at a time, so the first is "
+                                              "answered before the next starts "
+                                              "(engine/scheduler.py); 0: no limit")
     max_model_len: int | None = Field(None, description="longest prompt + output "
                                       "(default: the model's)")
     transport: Literal["nixl", "tcp"] | None = Field(None, description="KV transfer (default: "
@@ -90,6 +94,7 @@ class WorkerSettings(BaseSettings):
             dtype=self.dtype, block_size=self.block_size, num_blocks=self.num_blocks,
             kv_memory_bytes=int(self.kv_memory_gb * (1 << 30)), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold or None,
             num_threads=self.threads, pack_weights=self.pack_weights,
         )
 
