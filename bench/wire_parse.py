@@ -38,6 +38,27 @@ PREFILL = orjson.dumps({
                            "signature": "a" * 64}})
 
 
+try:  # optional: measured when installed, never a dependency of ours
+    import msgspec
+
+    class TimingStruct(msgspec.Struct):
+        queue_s: float = 0.0
+        prefill_s: float = 0.0
+        transfer_s: float = 0.0
+        transfer_bytes: int = 0
+        decode_s: float = 0.0
+
+    class EventStruct(msgspec.Struct):
+        request_id: str
+        token_ids: list[int] = []
+        finish_reason: str | None = None
+        num_cached_tokens: int | None = None
+        timing: TimingStruct | None = None
+        error: str | None = None
+except ImportError:
+    msgspec = None
+
+
 def per_call_us(fn, payload: bytes, n: int) -> float:
     rounds = []
     for _ in range(5):
@@ -55,27 +76,8 @@ def main() -> int:
     parsers = {"orjson_dict": orjson.loads,
                "pydantic_event": StreamEvent.model_validate_json,
                "pydantic_prefill": PrefillResponse.model_validate_json}
-    try:
-        import msgspec
-
-        class TimingStruct(msgspec.Struct):
-            queue_s: float = 0.0
-            prefill_s: float = 0.0
-            transfer_s: float = 0.0
-            transfer_bytes: int = 0
-            decode_s: float = 0.0
-
-        class EventStruct(msgspec.Struct):
-            request_id: str
-            token_ids: list[int] = []
-            finish_reason: str | None = None
-            num_cached_tokens: int | None = None
-            timing: TimingStruct | None = None
-            error: str | None = None
-
+    if msgspec is not None:
         parsers["msgspec_event"] = msgspec.json.Decoder(EventStruct).decode
-    except ImportError:
-        pass
     result = {"n": args.n, "us_per_parse": {}}
     for name, fn in parsers.items():
         payloads = {"prefill": PREFILL} if "prefill" in name else {"event": EVENT, "final_event": FINAL}

@@ -25,7 +25,7 @@ class TandemBackend(HTTPBackend):
                 "sampling": sampling.model_dump()}
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
-            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True)
+            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
         async with stream(self.http, w, "/generate", self.headers, body, self.stream_timeout) as r:
             last = None
             async for line in r.content:  # NDJSON: one event per line

@@ -75,7 +75,7 @@ class VLLMBackend(HTTPBackend):
         body.update(max_tokens=sampling.max_tokens - len(sent), stream=True,
                     stream_options={"include_usage": True})
         if kv_params is not None:
-            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True)
+            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
         want_lp = sampling.logprobs is not None
         num_cached = None
         async with stream(self.http, w, "/v1/completions", self._headers(request_id), body,
