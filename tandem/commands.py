@@ -20,11 +20,7 @@ def _cache_dir(value: str | None) -> Path:
 
 
 def _engine_config(args: argparse.Namespace):
-    from worker.settings import WorkerSettings
-
-    kwargs = given(args, WorkerSettings)
-    kwargs.setdefault("cache_dir", _cache_dir(None))
-    return WorkerSettings(**kwargs).engine_config()
+    return worker_settings(args).engine_config()
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -62,12 +58,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def worker_settings(args: argparse.Namespace):
-    """The worker's settings: the flags given, then TANDEM_* variables, then the defaults."""
+    """The worker's settings: the flags given, then TANDEM_* variables, then the defaults; the
+    role is the subcommand's (`tandem chat` builds only the engine from them)."""
     from worker.settings import WorkerSettings
 
     kwargs = given(args, WorkerSettings)
     kwargs.setdefault("cache_dir", _cache_dir(None))
-    return WorkerSettings(**kwargs, role=args.command)
+    if args.command in ("prefill", "decode", "colocated"):
+        kwargs["role"] = args.command
+    return WorkerSettings(**kwargs)
 
 
 def router_settings(args: argparse.Namespace):
