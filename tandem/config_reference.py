@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from tandem.flags import flag_name
+from tandem.flags import flag_name, shown_default
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
@@ -25,10 +25,7 @@ def table(cls, title: str, command: str, skip: tuple[str, ...] = ()) -> str:
     for name, field in cls.model_fields.items():
         if name in skip:
             continue
-        default = field.default if field.default_factory is None else field.default_factory()
-        if isinstance(default, Path) and str(default).startswith(str(Path.home())):
-            default = "~" + str(default)[len(str(Path.home())):]
-        rows.append(f"| `{flag_name(name)}` | `{prefix}{name.upper()}` | `{default!r}` "
+        rows.append(f"| `{flag_name(name)}` | `{prefix}{name.upper()}` | `{shown_default(field)!r}` "
                     f"| {(field.description or '').replace('|', '/')} |")
     return "\n".join(rows)
 

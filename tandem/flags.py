@@ -14,16 +14,16 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings], *,
                        skip: tuple[str, ...] = (), aliases: dict[str, list[str]] | None = None,
-                       hidden: tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> None:
+                       hidden: tuple[str, ...] = ()) -> None:
     """One flag per field of `cls` but `skip`; `aliases` adds older spellings of a flag,
-    `hidden` keeps a flag out of `--help`, `defaults` shows another default in the help (the
-    subcommand's, e.g. each worker role's port)."""
-    aliases, defaults = aliases or {}, defaults or {}
+    `hidden` keeps a flag out of `--help`."""
+    aliases = aliases or {}
     group = parser.add_argument_group(f"settings (environment {cls.model_config.get('env_prefix', '')}*)")
     for name, field in cls.model_fields.items():
         if name in skip:
@@ -31,7 +31,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
         flags = [flag_name(name), *aliases.get(name, [])]
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
                                   "help": argparse.SUPPRESS if name in hidden
-                                  else _help(cls, name, defaults.get(name, field.default))}
+                                  else _help(cls, name)}
         kind, choices = flag_type(field.annotation)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -55,11 +55,18 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _help(cls: type[BaseSettings], name: str, default: Any) -> str:
-    field = cls.model_fields[name]
-    env = f"{cls.model_config.get('env_prefix', '')}{name.upper()}"
+def shown_default(field: FieldInfo) -> Any:
+    """A field's default as --help and the README show it (a path in the home folder as ~/...)."""
+    default = field.default if field.default_factory is None else field.default_factory()
     if isinstance(default, Path) and str(default).startswith(str(Path.home())):
         default = "~" + str(default)[len(str(Path.home())):]
+    return default
+
+
+def _help(cls: type[BaseSettings], name: str) -> str:
+    field = cls.model_fields[name]
+    env = f"{cls.model_config.get('env_prefix', '')}{name.upper()}"
+    default = shown_default(field)
     shown = "none" if default is None or default == [] else default
     text = (field.description or "").replace("%", "%%")
     return f"{text} (default: {shown}; env {env})"
