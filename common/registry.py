@@ -16,14 +16,15 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from common.auth import secrets_equal, sign_json
 from common.background import BackgroundErrors
 from common.block_events import BlockEvent
 from common.hashing import hash_member
+from common.model_identity import NAME_PATTERN, is_name
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RedisKeys:
 
 
 _COUNT = Field(0, ge=0, le=1 << 40)
+ServedName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
 
 class WorkerLoad(BaseModel):
@@ -67,18 +69,35 @@ class WorkerLoad(BaseModel):
     waiting_tokens: int = _COUNT
 
 
-class WorkerRegistration(BaseModel):
-    """A `worker:{id}` hash as the router reads it. Redis is trusted for availability, not for
-    well-formedness: an entry that fails this model is skipped (and counted), never fatal."""
+class ProbedModel(BaseModel):
+    """Which model a worker serves (DESIGN.md "Registration per model"): the fields of its
+    registration, and what its `/ready` tells a router that lists it statically."""
 
     model_config = ConfigDict(extra="ignore")
 
+    model: str = Field("", max_length=512)
+    served_model_names: list[ServedName] = Field([], max_length=32)
+    model_digest: str = Field("", pattern=r"^([0-9a-f]{16})?$")
+    tokenizer_path: str | None = Field(None, max_length=4096)
+    hash_seed: int | None = Field(None, ge=0, lt=1 << 64)
+    block_size: int | None = Field(None, ge=1, le=1 << 16)
+    max_model_len: int | None = Field(None, ge=1, le=1 << 40)
+
+    @property
+    def names(self) -> list[str]:
+        """The names it serves (older workers registered only `model`)."""
+        return self.served_model_names or ([self.model] if is_name(self.model) else [])
+
+
+class WorkerRegistration(ProbedModel):
+    """A `worker:{id}` hash as the router reads it. Redis is trusted for availability, not for
+    well-formedness: an entry that fails this model is skipped (and counted), never fatal."""
+
     role: Literal["prefill", "decode", "colocated"]
     url: str = Field(max_length=512, pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?$")
-    model: str = Field("", max_length=512)
+    started_at: float = Field(0.0, ge=0, le=1e11)
     block_size: int = Field(16, ge=1, le=1 << 16)
     capacity: int = Field(0, ge=0, le=1 << 40)
-    max_model_len: int | None = Field(None, ge=1, le=1 << 40)
     block_bytes: int | None = Field(None, ge=1, le=1 << 40)
     load: WorkerLoad = Field(default_factory=WorkerLoad)
 
@@ -93,7 +112,9 @@ class WorkerRegistration(BaseModel):
             if not secrets_equal(given, registration_signature(worker_id, info, token)):
                 raise ValueError("not signed with this cluster's internal token")
         info["load"] = WorkerLoad.model_validate_json(info.get("load") or "{}")
-        for key in ("max_model_len", "block_bytes"):
+        if "served_model_names" in info:
+            info["served_model_names"] = json.loads(info["served_model_names"])
+        for key in ("max_model_len", "block_bytes", "hash_seed", "tokenizer_path"):
             if info.get(key) in ("", "None"):
                 info.pop(key)
         return cls.model_validate(info)

@@ -38,7 +38,7 @@ REMOTE_METHODS = frozenset({
 def describe(engine: LLMEngine) -> dict[str, Any]:
     """What the API process needs to know of the engine to serve without calling it."""
     return {
-        "model_id": engine.model_id, "folder": str(engine.folder),
+        "model_id": engine.model_id, "model_digest": engine.model_digest, "folder": str(engine.folder),
         "block_size": engine.block_size, "num_blocks": engine.num_blocks,
         "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
         "kv_shape": tuple(engine.kv_cache.shape), "kv_dtype": str(engine.kv_cache.dtype),

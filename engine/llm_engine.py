@@ -16,6 +16,7 @@ import torch
 
 from common.block_events import BlockEvent
 from common.hashing import BlockHasher
+from common.model_identity import model_digest
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
@@ -48,6 +49,9 @@ class LLMEngine:
         self.folder = resolve_model(config.model, config.cache_dir)
         self.model_config = ModelConfig.from_folder(self.folder)
         self.model_id = config.model_id or self.folder.name
+        # What the router and peers compare: the hash seed and the KV layout carry it, so blocks
+        # of two different models never match even under one served name.
+        self.model_digest = model_digest(self.folder)
         self.tokenizer = Tokenizer(self.folder)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
@@ -70,7 +74,7 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(
             (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim),
             self.dtype, self.device, config.kv_cache_path)
-        self.hasher = BlockHasher(self.model_id, self.block_size, config.hash_salt)
+        self.hasher = BlockHasher(self.model_digest, self.block_size, config.hash_salt)
         self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -69,8 +69,11 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: SLO, before: dic
             errors[r.error] = errors.get(r.error, 0) + 1
     hits = sum(counter_delta(before, after, "tandem_prefix_cache_hit_tokens_total").values())
     prompt = sum(counter_delta(before, after, "tandem_prompt_tokens_total").values())
-    plans = {k.split('plan="')[1].split('"')[0]: v
-             for k, v in counter_delta(before, after, "tandem_route_decisions_total").items() if v}
+    plans: dict[str, float] = {}  # summed over models
+    for k, v in counter_delta(before, after, "tandem_route_decisions_total").items():
+        if v:
+            plan = k.split('plan="')[1].split('"')[0]
+            plans[plan] = plans.get(plan, 0.0) + v
     return {
         "requests": len(records), "ok": len(ok), "errors": errors, "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s else 0.0,

@@ -21,6 +21,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
     """
     s = state.settings
+    state.admit()
     if lease_seconds is not None and lease_seconds > s.max_lease_seconds:
         raise APIError(400, f"lease_seconds must be at most {s.max_lease_seconds}", "invalid_lease",
                        "lease_seconds")
@@ -43,6 +44,8 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         raise APIError(503, "request was aborted", "aborted")
     state.metrics.observe_first_token(out, "prefill")
     done = not always_export and (out.finish_reason == "stop" or params.max_tokens <= 1)
+    if done:
+        state.metrics.observe_finish(out.finish_reason)
     kv = KVTransferParams()
     if done or state.connector is None:
         await engine.call("release", request_id)

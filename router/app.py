@@ -12,9 +12,10 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.body_limit import BodyLimit
-from common.errors import install_error_handlers
+from common.errors import APIError, error_response, install_error_handlers
 from router.front import FrontedAPI
 from router.gateway import ROLES, Gateway
+from router.metrics import NO_MODEL
 from router.openai_format import body_schema, correlation_id, parse_body
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.responses import complete
@@ -29,14 +30,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
         async with gw.running():
             yield
 
-    app = FrontedAPI(title="Tandem router", lifespan=lifespan, max_body_bytes=settings.max_body_bytes)
+    # Errors answered before a model is known (413, a client gone) count under no model.
+    app = FrontedAPI(title="Tandem router", lifespan=lifespan, max_body_bytes=settings.max_body_bytes,
+                     on_error=lambda status: gw.metrics.count(status, NO_MODEL))
     install_error_handlers(app)
 
     async def serve(chat: bool, headers, raw: bytes) -> Response:
-        api_key = gw.auth.check(headers.get("authorization"))  # 401 before any 400
-        await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
-        body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-        return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")), api_key)
+        body = None
+        try:
+            api_key = gw.auth.check(headers.get("authorization"))  # 401 before any 400
+            await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
+            body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+            return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")), api_key)
+        except Exception as e:  # noqa: BLE001 - counted here, answered by FrontedAPI
+            response = error_response(e)
+            gw.metrics.count(response.status_code, body.model if body is not None else NO_MODEL)
+            return response
 
     # Served by FrontedAPI.serve_directly (router/front.py); declared for the OpenAPI schema. The
     # body is validated by `parse_body` rather than FastAPI's dependency layer: the same pydantic
@@ -48,11 +57,35 @@ def create_app(settings: RouterSettings) -> FastAPI:
     # Every other route: a plain ASGI wrapper (Starlette's BaseHTTPMiddleware costs ~1 ms a call).
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
+    add_info_routes(app, gw)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        for role in ROLES:
+            gw.metrics.workers.labels(role).set(len(gw.directory.live(role)))
+        gw.metrics.inflight.set(gw.admission.running + gw.admission.queued)
+        gw.metrics.models.set(len(served_models(gw)))
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.directory = gw.directory
+    app.state.gateway = gw
+    return app
+
+
+def add_info_routes(app: FastAPI, gw: Gateway) -> None:
+    """`/v1/models`, `/v1/models/{id}`, `/health`, `/ready`."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gw.auth.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                            "owned_by": "tandem"}]}
+        return {"object": "list", "data": [model_card(gw, name) for name in served_models(gw)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        gw.auth.check(request.headers.get("authorization"))
+        if model_id not in served_models(gw):
+            raise APIError(404, f"model {model_id!r} does not exist", "model_not_found", "model")
+        return model_card(gw, model_id)
 
     @app.get("/health")
     async def health() -> dict:
@@ -60,21 +93,24 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        live = gw.directory.live()
-        ok = any(w.role in ("decode", "colocated") for w in live)
+        live = [w for w in gw.directory.live() if w.accepted]  # refused workers do not count
+        ok = not gw.draining and any(w.role in ("decode", "colocated") for w in live)
         return JSONResponse({"ready": ok, "workers": {w.worker_id: w.role for w in live},
-                             "redis": gw.directory.redis_ok}, 200 if ok else 503)
+                             "models": served_models(gw), "redis": gw.directory.redis_ok,
+                             "draining": gw.draining}, 200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prom() -> Response:
-        for role in ROLES:
-            gw.metrics.workers.labels(role).set(len(gw.directory.live(role)))
-        gw.metrics.inflight.set(gw.admission.running + gw.admission.queued)
-        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.directory = gw.directory
-    app.state.gateway = gw
-    return app
+def served_models(gw: Gateway) -> list[str]:
+    """Names with a live worker that can answer (decode or colocated)."""
+    return gw.catalog.served(w for w in gw.directory.workers.values()
+                             if w.role in ("decode", "colocated"))
+
+
+def model_card(gw: Gateway, name: str) -> dict:
+    model = gw.catalog.get(name)
+    return {"id": name, "object": "model", "created": model.created, "owned_by": "tandem",
+            "root": model.tokenizer_source, "parent": None,
+            "max_model_len": gw.directory.max_model_len(gw.settings.max_model_len_default, name)}
 
 
 def _endpoint(serve, chat: bool):

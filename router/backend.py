@@ -23,7 +23,12 @@ from router.worker_info import WorkerInfo
 
 
 class WorkerFailure(RuntimeError):
-    """A worker could not be reached or answered with a server error."""
+    """A worker could not be reached or answered with a server error (`status`, if it
+    answered: a 503 before any token is a refusal, as from a draining worker)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RequestRejected(RuntimeError):
@@ -120,7 +125,7 @@ async def get_json(http, w: WorkerInfo, path: str, headers: dict, parse: bool = 
 
 def check(w: WorkerInfo, status: int, raw: bytes) -> None:
     if status >= 500 or status == 429:
-        raise WorkerFailure(f"{w.worker_id}: HTTP {status}")
+        raise WorkerFailure(f"{w.worker_id}: HTTP {status}", status)
     if status >= 400:
         raise RequestRejected(status, error_body(raw))
 

@@ -24,6 +24,7 @@ class Trace:
     """What happened to one request, for metrics and the `tandem` response field."""
 
     plan: str
+    model: str = ""  # the served model name (metric label; resumes stay within the model)
     client_request_id: str | None = None  # the client's X-Request-Id, for correlation only
     prefill_worker: str | None = None
     decode_worker: str | None = None
@@ -79,6 +80,7 @@ class Dispatcher:
         while True:
             tried.add(decode.worker_id)
             trace.decode_worker = decode.worker_id
+            num_sent = len(sent)
             try:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
                 backend = self.backends[decode.backend]
@@ -101,18 +103,21 @@ class Dispatcher:
             except WorkerFailure as e:
                 self.directory.record_failure(decode)
                 # Resume elsewhere with every token the client has: no token lost or repeated.
-                nxt = self._next_decoder(tried)
+                nxt = self._next_decoder(tried, trace.model)
                 if nxt is None:
                     raise
                 log.warning("decode on %s failed (%s); resuming on %s after %d tokens",
                             decode.worker_id, e, nxt.worker_id, len(sent), extra={"request_id": request_id})
                 trace.resumed += 1
-                decode, kv_params = nxt, None  # local prefill of prompt + tokens so far
+                # A worker that refused the stream (draining, full) pulled nothing: the next one
+                # can still pull the prefilled blocks. Otherwise it prefills prompt + tokens so far.
+                refused = e.status in (429, 503) and len(sent) == num_sent
+                decode, kv_params = nxt, (kv_params if refused else None)
                 request_id = f"{request_id}.r{trace.resumed}"
 
-    def _next_decoder(self, tried: set[str]) -> WorkerInfo | None:
-        pool = [w for w in self.directory.live() if w.role in ("decode", "colocated")
-                and w.worker_id not in tried]
+    def _next_decoder(self, tried: set[str], model: str) -> WorkerInfo | None:
+        pool = [w for w in self.directory.live(model=model or None)
+                if w.role in ("decode", "colocated") and w.worker_id not in tried]
         return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
     async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace):
@@ -130,7 +135,8 @@ class Dispatcher:
             except WorkerFailure as e:
                 self.directory.record_failure(p)
                 trace.retries += 1
-                others = [w for w in self.directory.live("prefill") if w.worker_id not in tried]
+                others = [w for w in self.directory.live("prefill", trace.model or None)
+                          if w.worker_id not in tried]
                 if not others or attempt == self.max_prefill_retries:
                     log.warning("prefill failed on %s (%s); decode worker prefills locally",
                                 p.worker_id, e, extra={"request_id": request_id})

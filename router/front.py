@@ -25,9 +25,11 @@ class FrontedAPI(FastAPI):
     body is read whole (refused with 413 past `max_body_bytes`, declared or chunked) and goes
     to `handler(headers, body)`, whose response or error is sent as is."""
 
-    def __init__(self, *args, max_body_bytes: int, **kwargs) -> None:
+    def __init__(self, *args, max_body_bytes: int,
+                 on_error: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_body_bytes = max_body_bytes
+        self.on_error = on_error  # told the status of every error answered here
         self._direct: dict[str, Handler] = {}
 
     def serve_directly(self, path: str, handler: Handler) -> None:
@@ -44,6 +46,8 @@ class FrontedAPI(FastAPI):
             response = await handler(headers, body)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-format answer
             response = error_response(e, scope["path"])
+            if self.on_error is not None:
+                self.on_error(response.status_code)
         await response(scope, receive, send)
 
     async def _body(self, headers: Headers, receive) -> bytes:

@@ -16,18 +16,17 @@ from prometheus_client import CollectorRegistry
 
 from common.background import BackgroundErrors
 from common.errors import APIError
-from common.hashing import BlockHasher
 from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
 from common.registry import RedisKeys
-from common.tokenizer import Tokenizer
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
 from router.backends import BACKENDS
 from router.dispatch import Dispatcher, Trace
-from router.index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from router.index import PrefixIndex, RedisPrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
+from router.models import ModelCatalog, ServedModel
 from router.openai_format import text_chars
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
@@ -51,43 +50,45 @@ def plan_for(policy: Policy, num_tokens: int, matches: dict[str, int],
 
 
 class Gateway:
-    """One router's collaborators, given explicitly: tokenizer, block hasher, worker directory,
-    routing policy, prefix index, dispatcher, admission, key auth, rate limiter and metrics.
-    The index, limiter and dispatcher need Redis and an HTTP session: `running()` opens them
-    (the app's lifespan) unless they were given."""
+    """One router's collaborators, given explicitly: the model catalog (a tokenizer and block
+    hasher per served model), worker directory, routing policy, prefix index, dispatcher,
+    admission, key auth, rate limiter and metrics. The index, limiter and dispatcher need Redis
+    and an HTTP session: `running()` opens them (the app's lifespan) unless they were given."""
 
-    def __init__(self, settings: RouterSettings, *, tokenizer: Tokenizer, hasher: BlockHasher,
+    def __init__(self, settings: RouterSettings, *, catalog: ModelCatalog,
                  directory: WorkerDirectory, policy: Policy, metrics: RouterMetrics,
                  registry: CollectorRegistry, admission: Admission, auth: KeyAuth,
                  index: PrefixIndex | None = None, limiter: RateLimiter | None = None,
                  dispatcher: Dispatcher | None = None) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer
-        self.hasher = hasher
+        self.catalog = catalog
         self.directory = directory
         self.policy = policy
         self.metrics = metrics
         self.registry = registry
         self.admission = admission
         self.auth = auth
-        self.index = index
+        self.index = index  # Redis's; without Redis each model's in-process index
         self.limiter = limiter
         self.dispatcher = dispatcher
-        # vLLM backends publish no block sets to our Redis: for them the router remembers what
-        # it sent where (approximate, like the SGLang router's cache_aware tree).
-        self.approx_index = MemoryPrefixIndex()
         self.keys = RedisKeys(settings.namespace)
+        self.draining = False
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> Gateway:
         registry = CollectorRegistry()
         errors = BackgroundErrors(registry)
+        catalog = ModelCatalog(only=settings.model, tokenizer_path=settings.tokenizer_path,
+                               model_dir=settings.model_folder_root, hash_salt=settings.hash_salt,
+                               default_block_size=settings.block_size, registry=registry)
+        catalog.preload()
         directory = WorkerDirectory(RedisKeys(settings.namespace), settings.workers,
                                     settings.breaker_failures, settings.breaker_cooldown_s,
-                                    settings.redis_restart_grace_s, errors, settings.internal_token)
-        return cls(settings, tokenizer=Tokenizer(settings.tokenizer_folder),
-                   hasher=BlockHasher(settings.model, settings.block_size, settings.hash_salt),
-                   directory=directory, policy=make_policy(settings.policy, settings),
+                                    settings.redis_restart_grace_s, errors, settings.internal_token,
+                                    catalog=catalog, static_model=settings.model,
+                                    block_size=settings.block_size)
+        return cls(settings, catalog=catalog, directory=directory,
+                   policy=make_policy(settings.policy, settings),
                    metrics=RouterMetrics(registry), registry=registry,
                    admission=Admission(settings.max_running, settings.max_queued),
                    auth=KeyAuth(load_keys(settings.api_keys, settings.api_keys_file)))
@@ -106,7 +107,8 @@ class Gateway:
             stack.push_async_callback(http.close)
             tokens = {"tandem": s.internal_token, "vllm": s.vllm_api_key}
             timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s)
-            backends = {name: cls(http, tokens[name], s.model, timeouts) for name, cls in BACKENDS.items()}
+            backends = {name: cls(http, tokens[name], s.model or "", timeouts)
+                        for name, cls in BACKENDS.items()}
             if self.dispatcher is None:
                 self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
                                              s.retry_backoff_s)
@@ -128,39 +130,47 @@ class Gateway:
                     tasks.append(asyncio.create_task(directory.run(redis, s.refresh_interval_s)))
                 else:
                     log.warning("no Redis configured: in-process prefix index (learns from routing only)")
-                if self.index is None:
-                    self.index = RedisPrefixIndex(redis, self.keys, s.index_search) if redis else MemoryPrefixIndex()
+                if self.index is None and redis is not None:
+                    self.index = RedisPrefixIndex(redis, self.keys, s.index_search)
                 if self.limiter is None:
                     self.limiter = RateLimiter(redis, self.keys, s.rate_limit_rpm, s.rate_limit_tpm)
                 yield self
             finally:  # the background tasks stop before Redis and the HTTP session close
                 await _cancel_all(tasks)
+                await directory.leave(redis)
+
+    async def drain(self) -> None:
+        """SIGTERM/SIGINT: not ready from now on (a load balancer stops sending); uvicorn stops
+        listening and lets in-flight requests finish (tandem/server.py)."""
+        self.draining = True
 
     # ---- one request ---------------------------------------------------------------------------
 
-    async def route(self, prompt: list[int]) -> Plan:
+    async def route(self, model: ServedModel, prompt: list[int]) -> Plan:
         t0 = time.perf_counter()
-        hashes = self.hasher(prompt)
-        live = [w for r in ROLES for w in self.directory.live(r)]
+        live = self.directory.live(model=model.name)
+        hashes = model.hasher(prompt) if live and model.hasher else []
         ids = [w.worker_id for w in live if w.backend == "tandem"]
         approx_ids = [w.worker_id for w in live if w.backend != "tandem"]
+        index = self.index or model.memory_index
         try:
-            matches = await self.index.match(hashes, ids) if ids else {}
+            matches = await index.match(hashes, ids) if ids else {}
             self.metrics.redis_up.set(1)
         except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
             log.warning("prefix index unavailable (%s): load-only routing", e)
             self.metrics.redis_up.set(0)
             matches = dict.fromkeys(ids, 0)
         if approx_ids:
-            matches.update(await self.approx_index.match(hashes, approx_ids))
+            matches.update(await model.approx_index.match(hashes, approx_ids))
         try:
-            plan = plan_for(self.policy, len(prompt), matches, live, len(hashes), self.settings.block_size)
+            plan = plan_for(self.policy, len(prompt), matches, live, len(hashes), model.block_size)
         except NoWorkers as e:
-            raise APIError(503, str(e), "no_workers", headers={"Retry-After": "1"}) from e
+            raise APIError(503, f"{e} for model {model.name!r}", "no_workers",
+                           headers={"Retry-After": "1"}) from e
         # Both legs end up holding the prompt's blocks (the decode side after its pull).
         for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
-            (self.index if w.backend == "tandem" else self.approx_index).record(w.worker_id, hashes)
-        self.metrics.route.labels(plan.kind).inc()
+            (index if w.backend == "tandem" else model.approx_index).record(w.worker_id, hashes)
+        self.metrics.route.labels(plan.kind, model.name).inc()
         self.metrics.overhead.observe(time.perf_counter() - t0)
         return plan
 
@@ -173,30 +183,38 @@ class Gateway:
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request") from e
 
-    def _encode(self, body) -> list[int]:
-        return prompt_token_ids(self.tokenizer, body)
+    def model_for(self, body) -> ServedModel:
+        """The served model a request names: 404 for a name no worker serves (or this router
+        is not serving), with the names it does serve."""
+        model = self.catalog.get(body.model)
+        if model is None:
+            served = self.catalog.served(self.directory.workers.values())
+            raise APIError(404, f"model {body.model!r} does not exist; this router serves "
+                           f"{', '.join(map(repr, served)) or 'no model yet'}", "model_not_found", "model")
+        return model
 
-    async def prompt_ids(self, body) -> list[int]:
+    async def prompt_ids(self, model: ServedModel, body) -> list[int]:
         s = self.settings
-        if body.model != s.model:
-            raise APIError(404, f"model {body.model!r} does not exist; this router serves {s.model!r}",
-                           "model_not_found", "model")
+        tokenizer = model.tokenizer
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        limit = self.directory.max_model_len(s.max_model_len_default)
+        limit = self.directory.max_model_len(s.max_model_len_default, model.name)
         max_tokens = body.requested_max_tokens() or 0
         chars = text_chars(body)
         # Cheap checks first: a text longer than `limit` tokens could ever cover is refused
         # before any tokenizing, and a large one is tokenized off the event loop, so a few
         # multi-megabyte bodies cannot stall every other request (and /health).
-        max_token_bytes = self.tokenizer.max_token_bytes
+        max_token_bytes = tokenizer.max_token_bytes
         if max_token_bytes and chars > max_token_bytes * limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
                            f"request's {chars} characters of text are longer than that",
                            "context_length_exceeded", param)
-        ids = await asyncio.to_thread(self._encode, body) if chars > s.offload_chars else self._encode(body)
+        if chars > s.offload_chars:
+            ids = await asyncio.to_thread(prompt_token_ids, tokenizer, body)
+        else:
+            ids = prompt_token_ids(tokenizer, body)
         if not ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
-        vocab_size = self.tokenizer.vocab_size
+        vocab_size = tokenizer.vocab_size
         if min(ids) < 0 or max(ids) >= vocab_size:  # also keeps them hashable as uint32
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "invalid_prompt", "prompt")
         if len(ids) + max(max_tokens, 1) > limit:
@@ -205,12 +223,12 @@ class Gateway:
                            "context_length_exceeded", param)
         return ids
 
-    async def run_one(self, body, prompt: list[int], idx: int, rid: str,
+    async def run_one(self, body, model: ServedModel, prompt: list[int], idx: int, rid: str,
                       client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
         """One choice's events as they come, each with the request's trace."""
         opts = self.sampling(body, idx)
-        plan = await self.route(prompt)
-        trace = Trace(plan.kind, client_request_id=client_rid)
+        plan = await self.route(model, prompt)
+        trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
             async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace)) as events:
                 async for ev in events:
@@ -218,24 +236,21 @@ class Gateway:
         except RequestRejected as e:
             raise APIError(e.status, str(e), "rejected_by_worker") from e
         except WorkerFailure as e:
-            self.metrics.requests.labels("503").inc()
             raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
                            headers={"Retry-After": "1"}) from e
 
     def observe_trace(self, trace: Trace | None) -> None:
         if trace is None:
             return
-        m = self.metrics
-        m.hit_tokens.labels("prefill" if trace.plan == "disagg" else "decode").inc(trace.num_cached_tokens)
+        m, model = self.metrics, trace.model
+        pool = "prefill" if trace.plan == "disagg" else "decode"
+        m.hit_tokens.labels(pool, model).inc(trace.num_cached_tokens)
         if trace.prefill_s:
-            m.prefill.observe(trace.prefill_s)
+            m.prefill.labels(model).observe(trace.prefill_s)
         if trace.retries:
-            m.retries.labels("prefill").inc(trace.retries)
+            m.retries.labels("prefill", model).inc(trace.retries)
         if trace.resumed:
-            m.retries.labels("resume").inc(trace.resumed)
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            m.retries.labels("resume", model).inc(trace.resumed)
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:

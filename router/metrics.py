@@ -8,26 +8,52 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+# Every status the router answers with; the series exist from the start so rate() sees the first.
+STATUSES = ("200", "400", "401", "404", "413", "429", "500", "503")
+# The `model` label of a request whose model is not (yet) known: a body that failed to parse, an
+# unknown name (never the name itself: clients must not be able to mint label values).
+NO_MODEL = ""
+
+
 class RouterMetrics:
+    """Request-level series carry `model`, the served name (router/models.py)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", buckets=_LAT, registry=r)
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between tokens", buckets=_FAST + _LAT[4:], registry=r)
-        self.latency = Histogram("tandem_request_latency_seconds", "Request latency", buckets=_LAT, registry=r)
+        m = ["model"]
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", m, buckets=_LAT, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between tokens", m,
+                             buckets=_FAST + _LAT[4:], registry=r)
+        self.latency = Histogram("tandem_request_latency_seconds", "Request latency", m, buckets=_LAT, registry=r)
         self.overhead = Histogram("tandem_router_overhead_seconds", "Router work before the first worker call",
                                   buckets=_FAST, registry=r)
-        self.prefill = Histogram("tandem_prefill_time_seconds", "Prefill leg as seen by the router",
+        self.prefill = Histogram("tandem_prefill_time_seconds", "Prefill leg as seen by the router", m,
                                  buckets=_LAT, registry=r)
-        self.requests = Counter("tandem_requests", "Requests by status", ["status"], registry=r)
-        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens routed", registry=r)
-        self.completion_tokens = Counter("tandem_completion_tokens", "Tokens returned", registry=r)
+        self.requests = Counter("tandem_requests", "Requests by status", ["status", "model"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens routed", m, registry=r)
+        self.completion_tokens = Counter("tandem_completion_tokens", "Tokens returned", m, registry=r)
         self.hit_tokens = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache",
-                                  ["pool"], registry=r)
-        self.route = Counter("tandem_route_decisions", "Plans chosen", ["plan"], registry=r)
-        self.retries = Counter("tandem_retries", "Retries and resumes", ["kind"], registry=r)
+                                  ["pool", "model"], registry=r)
+        self.route = Counter("tandem_route_decisions", "Plans chosen", ["plan", "model"], registry=r)
+        self.retries = Counter("tandem_retries", "Retries and resumes", ["kind", "model"], registry=r)
+        self.models = Gauge("tandem_served_models", "Models with a live worker", registry=r)
+        self._known: set[str] = set()
+        self.add_model(NO_MODEL)
         self.redis_up = Gauge("tandem_redis_up", "1 when the prefix index answers", registry=r)
         self.inflight = Gauge("tandem_router_inflight_requests", "Requests running or queued in this router",
                               registry=r)  # the HPA's scaling signal (charts/tandem)
-        for pool in ("prefill", "decode"):  # series exist from the start, so rate() sees the first hits
-            self.hit_tokens.labels(pool)
         self.workers = Gauge("tandem_live_workers", "Live workers by role", ["role"], registry=r)
+
+    def add_model(self, model: str) -> None:
+        """Create a model's series at zero, so rate() sees its first requests and hits."""
+        if model in self._known:
+            return
+        self._known.add(model)
+        for status in STATUSES:
+            self.requests.labels(status, model)
+        if model != NO_MODEL:
+            for pool in ("prefill", "decode"):
+                self.hit_tokens.labels(pool, model)
+
+    def count(self, status: int, model: str) -> None:
+        self.requests.labels(str(status), model if model in self._known else NO_MODEL).inc()

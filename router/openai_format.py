@@ -25,13 +25,14 @@ def parse_body(model, raw: bytes):
         raise RequestValidationError(e.errors(include_url=False)) from e
 
 
-def body_schema(model, served_model: str) -> dict:
+def body_schema(model, served_model: str | None) -> dict:
     """OpenAPI `requestBody` for an endpoint that parses its body with `parse_body`; nested
     models are inlined (pydantic's `#/$defs/...` refs do not resolve inside an OpenAPI document)
-    and `model` names the one model this router serves (any other is a 404)."""
+    and `model` names the one model a `--model` router serves (any other is a 404)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
-    schema["properties"]["model"]["enum"] = [served_model]
+    if served_model:
+        schema["properties"]["model"]["enum"] = [served_model]
 
     def inline(node):
         if isinstance(node, dict):

@@ -17,6 +17,7 @@ from common.openai_response import choice, chunk_choice, envelope, usage
 from common.protocol import TokenLogprob
 from common.streams import prepend
 from router.gateway import Gateway
+from router.models import ServedModel
 from router.openai_format import (
     chat_logprobs,
     completion_logprobs,
@@ -29,78 +30,91 @@ from router.openai_format import (
 
 async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None) -> Response:
     t_start = time.perf_counter()
-    prompt = await gw.prompt_ids(body)
+    model = gw.model_for(body)
+    gw.metrics.add_model(model.name)
+    prompt = await gw.prompt_ids(model, body)
     max_tokens = body.requested_max_tokens() or gw.settings.max_tokens_default
     await gw.limiter.charge(api_key, (len(prompt) + max_tokens) * body.n)
     # The router names every request itself: a client's X-Request-Id is only a correlation id
     # (logs, the `tandem` field). Reused client ids once collided on the workers (500s, an open
     # circuit breaker, 503 for everyone).
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
-    gw.metrics.prompt_tokens.inc(len(prompt) * body.n)
+    gw.metrics.prompt_tokens.labels(model.name).inc(len(prompt) * body.n)
     created = int(time.time())
     if body.stream and body.n != 1:
         raise APIError(400, "streaming supports n=1 only", "invalid_request", "n")
     async with AsyncExitStack() as admitted:
         await admitted.enter_async_context(gw.admission.slot(body.priority))
         if body.stream:
-            gen = gw.run_one(body, prompt, 0, rid, client_rid)
+            gen = gw.run_one(body, model, prompt, 0, rid, client_rid)
             try:
                 first = await anext(gen)
             except StopAsyncIteration:
                 first = None
             # The stream holds the admission slot from here until it ends.
             slot = admitted.pop_all()
-            return StreamingResponse(_sse(gw, first, gen, body, chat, rid, created, prompt, t_start, slot),
+            return StreamingResponse(_sse(gw, model, first, gen, body, chat, rid, created, prompt,
+                                          t_start, slot),
                                      media_type="text/event-stream")
         if body.n == 1:  # no task per choice for the common case
-            results = [await _collect(gw, gw.run_one(body, prompt, 0, rid, client_rid), body, t_start)]
+            results = [await _collect(gw, model, gw.run_one(body, model, prompt, 0, rid, client_rid),
+                                      body, t_start)]
         else:
             results = await asyncio.gather(*[
-                _collect(gw, gw.run_one(body, prompt, i, f"{rid}-{i}", client_rid), body, t_start)
+                _collect(gw, model, gw.run_one(body, model, prompt, i, f"{rid}-{i}", client_rid),
+                         body, t_start)
                 for i in range(body.n)])
-    return _json_response(gw, results, body, chat, rid, created, prompt, t_start)
+    return _json_response(gw, model, results, body, chat, rid, created, prompt, t_start)
 
 
-def _json_response(gw: Gateway, results, body, chat, rid, created, prompt, t_start) -> Response:
+def _token_text(model: ServedModel):
+    return lambda token_id: model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _json_response(gw: Gateway, model: ServedModel, results, body, chat, rid, created, prompt,
+                   t_start) -> Response:
     choices = []
     n_out = 0
     want_lp = wants_logprobs(body, chat)
     to_logprobs = chat_logprobs if chat else completion_logprobs
     for i, (tokens, text, finish, lps, _trace) in enumerate(results):
         n_out += len(tokens)
-        choices.append(choice(i, text, finish, chat, to_logprobs(lps, gw.token_text) if want_lp else None))
-    gw.metrics.requests.labels("200").inc()
+        choices.append(choice(i, text, finish, chat,
+                              to_logprobs(lps, _token_text(model)) if want_lp else None))
+    gw.metrics.count(200, model.name)
     timing = timing_field(results[0][4], t_start)
-    out = envelope(rid, chat, created, gw.settings.model, choices, usage_=usage(len(prompt), n_out))
+    out = envelope(rid, chat, created, body.model, choices, usage_=usage(len(prompt), n_out))
     out["tandem"] = timing
     return Response(orjson.dumps(out), media_type="application/json",
                     headers={"x-tandem-timing": orjson.dumps(timing).decode()})
 
 
-async def _collect(gw: Gateway, gen, body, t_start):
+async def _collect(gw: Gateway, model: ServedModel, gen, body, t_start):
     tokens: list[int] = []
     lps: list[TokenLogprob] = []
     finish, trace = None, None
     first = True
     async for ev, trace in gen:  # noqa: B007 - the last trace is kept
         if first:
-            gw.metrics.ttft.observe(time.perf_counter() - t_start)
+            gw.metrics.ttft.labels(model.name).observe(time.perf_counter() - t_start)
             first = False
         tokens.extend(ev.token_ids)
         lps.extend(ev.logprobs or [])
         finish = ev.finish_reason or finish
     # Same incremental detokenizer as the stream (and the engine): identical text either way.
-    stream = gw.tokenizer.decode_stream()
+    stream = model.tokenizer.decode_stream()
     text, finish = cut_stops("".join(stream.step(t) for t in tokens), body.stop, finish)
-    gw.metrics.completion_tokens.inc(len(tokens))
-    gw.metrics.latency.observe(time.perf_counter() - t_start)
+    gw.metrics.completion_tokens.labels(model.name).inc(len(tokens))
+    gw.metrics.latency.labels(model.name).observe(time.perf_counter() - t_start)
     gw.observe_trace(trace)
     return tokens, text, finish, lps, trace
 
 
-async def _sse(gw: Gateway, first, gen, body, chat, rid, created, prompt, t_start, slot: AsyncExitStack):
-    metrics, model = gw.metrics, gw.settings.model
-    stream = gw.tokenizer.decode_stream()
+async def _sse(gw: Gateway, served: ServedModel, first, gen, body, chat, rid, created, prompt,
+               t_start, slot: AsyncExitStack):
+    metrics, model, label = gw.metrics, body.model, served.name
+    stream = served.tokenizer.decode_stream()
+    token_text = _token_text(served)
     stops = body.stop
     hold = max((len(s) for s in stops), default=1) - 1
     text_sent, text_all = 0, ""
@@ -117,8 +131,8 @@ async def _sse(gw: Gateway, first, gen, body, chat, rid, created, prompt, t_star
         nonlocal lp_offset
         lp = None
         if want_lp and pending_lps:
-            lp = (chat_logprobs(pending_lps, gw.token_text) if chat
-                  else completion_logprobs(pending_lps, gw.token_text, lp_offset))
+            lp = (chat_logprobs(pending_lps, token_text) if chat
+                  else completion_logprobs(pending_lps, token_text, lp_offset))
             if not chat:
                 lp_offset += sum(len(t) for t in lp["tokens"])
             pending_lps.clear()
@@ -135,9 +149,9 @@ async def _sse(gw: Gateway, first, gen, body, chat, rid, created, prompt, t_star
             async for ev, trace in prepend(items, gen):  # noqa: B007 - the last trace is kept
                 now = time.perf_counter()
                 if last_t is None:
-                    metrics.ttft.observe(now - t_start)
+                    metrics.ttft.labels(label).observe(now - t_start)
                 else:
-                    metrics.itl.observe(now - last_t)
+                    metrics.itl.labels(label).observe(now - last_t)
                 last_t = now
                 n_out += len(ev.token_ids)
                 pending_lps.extend(ev.logprobs or [])
@@ -161,11 +175,12 @@ async def _sse(gw: Gateway, first, gen, body, chat, rid, created, prompt, t_star
                 yield sse_data(envelope(rid, chat, created, model, [], stream=True,
                                         usage_=usage(len(prompt), n_out)))
             yield b"data: [DONE]\n\n"
-            metrics.requests.labels("200").inc()
-            metrics.completion_tokens.inc(n_out)
-            metrics.latency.observe(time.perf_counter() - t_start)
+            metrics.count(200, label)
+            metrics.completion_tokens.labels(label).inc(n_out)
+            metrics.latency.labels(label).observe(time.perf_counter() - t_start)
             gw.observe_trace(trace)
         except APIError as e:
+            metrics.count(e.status, label)
             yield sse_data({"error": {"message": e.message, "type": "server_error", "code": e.code}})
             yield b"data: [DONE]\n\n"
     finally:

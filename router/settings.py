@@ -15,21 +15,28 @@ class RouterSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="listen address")
     port: int = Field(8000, description="HTTP port (OpenAI API, /metrics)")
-    model: str = Field("smollm2-135m-instruct", description="served model name; also the "
-                       "tokenizer folder's name in the cache dir")
-    tokenizer_path: Path | None = Field(None, description="model folder with the tokenizer "
-                                        "(default: {cache_dir}/models/{model})")
+    model: str | None = Field(None, description="serve only this model name; none: every model "
+                              "whose workers register in the namespace")
+    tokenizer_path: Path | None = Field(None, description="tokenizer folder of --model (default: "
+                                        "the folder its workers publish, else "
+                                        "{model_dir}/{model}); without --model, tried for any "
+                                        "model whose workers' folder is not on this machine")
+    model_dir: Path | None = Field(None, description="where tokenizers of models are looked up "
+                                   "by name when a worker's own folder is not on this machine "
+                                   "(default: {cache_dir}/models)")
     cache_dir: Path = Field(Path.home() / ".cache" / "tandem", description="where prepared "
                             "models live ($TANDEM_CACHE_DIR)")
-    block_size: int = Field(16, description="tokens per KV block; must match the workers'")
+    block_size: int = Field(16, description="tokens per KV block of static workers that do not "
+                            "report theirs (registered workers publish their own)")
     hash_salt: str | None = Field(None, description="salt of the block hashes (cache isolation); "
                                   "must match the workers'")
     redis_url: str | None = Field(None, description="Redis with the worker registry and the "
                                   "prefix index; none: static workers and an in-process index")
     namespace: str = Field("default", description="Redis key namespace shared with the workers")
-    workers: list[str] = Field([], description="static worker [backend:]role=url, repeatable: "
-                               "decode=http://127.0.0.1:8300 (a Tandem worker) or "
-                               "vllm:prefill=http://127.0.0.1:8100 (vLLM with the NixlConnector)")
+    workers: list[str] = Field([], description="static worker [backend:]role=url[,model=NAME], "
+                               "repeatable: decode=http://127.0.0.1:8300 (a Tandem worker) or "
+                               "vllm:prefill=http://127.0.0.1:8100 (vLLM with the NixlConnector); "
+                               "without model=, --model or what the worker reports")
     internal_token: str | None = Field(None, description="bearer token of the workers' internal "
                                        "API ($TANDEM_INTERNAL_TOKEN)")
     vllm_api_key: str | None = Field(None, description="the --api-key of vLLM backends, if they "
@@ -52,6 +59,9 @@ class RouterSettings(BaseSettings):
     redis_restart_grace_s: float = Field(5.0, description="keep known workers this long after "
                                          "Redis lost its data")
     probe_interval_s: float = Field(2.0, description="health checks of every worker")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: how long "
+                                   "in-flight requests may take to finish after the router stops "
+                                   "listening")
     request_timeout_s: float = Field(300.0, description="longest a request may take end to end")
     # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried
     # elsewhere or done locally, a decode stream resumes on another worker.
@@ -105,5 +115,5 @@ class RouterSettings(BaseSettings):
                               "as ties (broken by load)")
 
     @property
-    def tokenizer_folder(self) -> Path:
-        return self.tokenizer_path or self.cache_dir / "models" / self.model
+    def model_folder_root(self) -> Path:
+        return self.model_dir or self.cache_dir / "models"

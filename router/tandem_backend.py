@@ -47,5 +47,4 @@ class TandemBackend(HTTPBackend):
     async def probe(self, w) -> dict:
         # /ready, not /health: a worker that is up but cannot serve (engine failed, still
         # starting, shutting down) answers 503 there and is taken out of routing at once.
-        await get_json(self.http, w, "/ready", self.headers)
-        return {}
+        return await get_json(self.http, w, "/ready", self.headers)

@@ -7,11 +7,13 @@ text stays one draw)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 
 import orjson
 from pydantic import ValidationError
 
+from common.model_identity import is_name
 from common.protocol import (
     KVTransferParams,
     PrefillResponse,
@@ -112,8 +114,15 @@ class VLLMBackend(HTTPBackend):
     async def probe(self, w) -> dict:
         await get_json(self.http, w, "/health", self.headers, parse=False)
         models = await get_json(self.http, w, "/v1/models", self.headers)
-        data = (models.get("data") or [{}])[0]
-        return {"model": data.get("id", ""), "max_model_len": data.get("max_model_len")}
+        data = [d for d in models.get("data") or [] if isinstance(d, dict)][:32]
+        if not data:
+            return {}
+        # vLLM lists each --served-model-name alias as its own entry, all with the same root
+        # (the model path): the root is its identity, as far as the router can know it.
+        root = str(data[0].get("root") or data[0].get("id") or "")
+        return {"model": data[0].get("id", ""), "served_model_names": [d["id"] for d in data if is_name(d.get("id"))],
+                "model_digest": hashlib.sha256(root.encode()).hexdigest()[:16],
+                "max_model_len": data[0].get("max_model_len")}
 
 
 def _event(w: WorkerInfo, **fields) -> StreamEvent:

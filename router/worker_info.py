@@ -6,13 +6,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# What makes workers interchangeable for a served name: (model digest, block size); the hash
+# seed is derived from it (and the salt). See router/models.py.
+Identity = tuple[str, int]
+
 
 @dataclass
 class WorkerInfo:
     worker_id: str
     role: str  # prefill | decode | colocated
     url: str
-    model: str = ""
+    model: str = ""  # the name the worker itself knows its model by (vLLM's `model` field)
+    served_names: tuple[str, ...] = ()  # the names it registered (or its static entry gives)
+    digest: str = ""  # common/model_identity.py; "" where the worker publishes none
+    hash_seed: int | None = None
+    tokenizer_path: str | None = None  # where the worker's tokenizer is (if on this machine)
+    started_at: float = 0.0
+    accepted: frozenset[str] = frozenset()  # the served names the router routes here (models.py)
     block_size: int = 16
     capacity: int = 0
     max_model_len: int | None = None
@@ -27,6 +37,13 @@ class WorkerInfo:
     transfer_bytes_per_s: float | None = None  # measured on this decode worker's KV pulls
     inflight: int = 0  # requests this router has on the worker now
     inflight_tokens: int = 0  # uncached prompt tokens of the prefills among them
+
+    @property
+    def identity(self) -> Identity:
+        return (self.digest, self.block_size)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.accepted
 
     @property
     def available(self) -> bool:

@@ -9,29 +9,37 @@ import time
 import uuid
 
 from common.background import BackgroundErrors
-from common.registry import RedisKeys, WorkerRegistration
+from common.model_identity import check_name
+from common.registry import ProbedModel, RedisKeys, WorkerRegistration
 from router.backends import BACKENDS
+from router.models import ModelCatalog
 from router.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 
-def parse_static(entry: str) -> tuple[str, str, str]:
-    """`[backend:]role=url` -> (backend, role, url), e.g. `vllm:prefill=http://10.0.0.5:8100`."""
-    spec, _, url = entry.partition("=")
+def parse_static(entry: str) -> tuple[str, str, str, str | None]:
+    """`[backend:]role=url[,model=NAME]` -> (backend, role, url, model), e.g.
+    `vllm:prefill=http://10.0.0.5:8100,model=qwen2.5-7b`."""
+    spec, _, rest = entry.partition("=")
+    url, _, model = rest.partition(",model=")
     backend, _, role = spec.rpartition(":")
     backend = backend or "tandem"
     if not url or role not in ("prefill", "decode", "colocated") or backend not in BACKENDS:
-        raise ValueError(f"static worker {entry!r} must look like [backend:]prefill=http://host:port "
-                         f"(roles: prefill, decode, colocated; backends: {', '.join(BACKENDS)})")
-    return backend, role, url.rstrip("/")
+        raise ValueError(f"static worker {entry!r} must look like [backend:]prefill=http://host:port"
+                         f"[,model=NAME] (roles: prefill, decode, colocated; backends: "
+                         f"{', '.join(BACKENDS)})")
+    return backend, role, url.rstrip("/"), check_name(model) if model else None
 
 
 class WorkerDirectory:
     def __init__(self, keys: RedisKeys, static: list[str], breaker_failures: int = 3,
                  breaker_cooldown_s: float = 5.0, restart_grace_s: float = 5.0,
-                 errors: BackgroundErrors | None = None, token: str | None = None) -> None:
+                 errors: BackgroundErrors | None = None, token: str | None = None,
+                 catalog: ModelCatalog | None = None, static_model: str | None = None,
+                 block_size: int = 16) -> None:
         self.keys = keys
+        self.catalog = catalog  # told of every change, to decide which worker serves which model
         self.token = token  # set: only registrations signed with it count (common/registry.py)
         self.errors = errors or BackgroundErrors()
         # A key of this router's own (it expires only if the router stops refreshing): when it
@@ -46,25 +54,35 @@ class WorkerDirectory:
         self.workers: dict[str, WorkerInfo] = {}
         self.redis_ok: bool | None = None
         for i, entry in enumerate(static):
-            backend, role, url = parse_static(entry)
+            backend, role, url, model = parse_static(entry)
             wid = f"static-{role}-{i}"
-            self.workers[wid] = WorkerInfo(wid, role, url, static=True, backend=backend)
+            # Named in the entry, else the router's --model, else what its probe reports.
+            names = (model or static_model,) if (model or static_model) else ()
+            self.workers[wid] = WorkerInfo(wid, role, url, static=True, backend=backend,
+                                           served_names=names, block_size=block_size)
+        self._static_named = {wid for wid, w in self.workers.items() if w.served_names}
 
-    def max_model_len(self, default: int) -> int:
-        """The longest sequence every worker can take: its context length, and for decode-side
-        workers also what its whole KV cache holds (a longer one would be refused there)."""
-        lens = [w.max_model_len for w in self.workers.values() if w.max_model_len]
-        lens += [w.capacity * w.block_size for w in self.workers.values()
+    def max_model_len(self, default: int, model: str | None = None) -> int:
+        """The longest sequence every worker of `model` can take: its context length, and for
+        decode-side workers also what its whole KV cache holds (a longer one is refused there)."""
+        ws = [w for w in self.workers.values() if w.serves(model)]
+        lens = [w.max_model_len for w in ws if w.max_model_len]
+        lens += [w.capacity * w.block_size for w in ws
                  if w.capacity and w.role in ("decode", "colocated")]
         return min(lens) if lens else default
 
-    def live(self, role: str | None = None) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if (role is None or w.role == role) and w.available]
+    def live(self, role: str | None = None, model: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.workers.values()
+                if (role is None or w.role == role) and w.available and w.serves(model)]
+
+    async def reconcile(self) -> None:
+        if self.catalog is not None:
+            await self.catalog.reconcile(list(self.workers.values()))
 
     async def refresh(self, redis) -> None:
         """Replace the Redis-discovered workers with those whose keys exist now."""
         try:
-            lost = await redis.set(self._sentinel, b"1", ex=60, get=True) is None
+            lost = await redis.set(self._sentinel, b"1", ex=10, get=True) is None
             keys = [k async for k in redis.scan_iter(match=self.keys.worker_pattern, count=500)]
             pipe = redis.pipeline(transaction=False)
             for k in keys:
@@ -96,14 +114,25 @@ class WorkerDirectory:
                 w = self.workers[wid] = WorkerInfo(wid, reg.role, reg.url)
                 log.info("worker joined: %s (%s at %s)", wid, w.role, w.url)
             w.role, w.url, w.model = reg.role, reg.url, reg.model
+            w.served_names, w.digest, w.hash_seed = tuple(reg.names), reg.model_digest, reg.hash_seed
+            w.tokenizer_path, w.started_at = reg.tokenizer_path, reg.started_at
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
             w.load = reg.load.model_dump()
-        if time.monotonic() < self._grace_until:
+        if time.monotonic() >= self._grace_until:
+            for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
+                log.info("worker left: %s", wid)
+                del self.workers[wid]
+        await self.reconcile()
+
+    async def leave(self, redis) -> None:
+        """On shutdown: remove this router's own key, so a stopped cluster leaves none behind."""
+        if redis is None:
             return
-        for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
-            log.info("worker left: %s", wid)
-            del self.workers[wid]
+        try:
+            await asyncio.wait_for(redis.delete(self._sentinel), 2.0)
+        except Exception as e:  # noqa: BLE001 - best effort; the key expires anyway
+            log.warning("could not remove %s from Redis: %s", self._sentinel, e)
 
     async def run(self, redis, interval_s: float) -> None:
         while True:
@@ -128,10 +157,25 @@ class WorkerDirectory:
             if not w.available:
                 log.info("worker %s is healthy again", w.worker_id)
                 self.record_success(w)
-            w.model = info.get("model") or w.model
-            w.max_model_len = info.get("max_model_len") or w.max_model_len
+            if w.static:
+                self._learn(w, info)
 
         await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+        await self.reconcile()
+
+    def _learn(self, w: WorkerInfo, info: dict) -> None:
+        """What a static worker's probe says of its model (bounded like a registration)."""
+        try:
+            reg = ProbedModel.model_validate(info)
+        except ValueError as e:
+            self.errors.record("worker_probes", f"{w.worker_id} reported a malformed model: {e}")
+            return
+        w.model = reg.model or w.model
+        if w.worker_id not in self._static_named and reg.names:
+            w.served_names = tuple(reg.names)
+        w.digest, w.hash_seed, w.tokenizer_path = reg.model_digest, reg.hash_seed, reg.tokenizer_path
+        w.block_size = reg.block_size or w.block_size
+        w.max_model_len = reg.max_model_len or w.max_model_len
 
     async def run_probes(self, probe, interval_s: float) -> None:
         while True:

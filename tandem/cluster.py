@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,19 @@ def scrape(client: httpx.Client) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def series_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s series whose labels include `labels` (others, like `model`, free)."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        have = dict(re.findall(r'([a-zA-Z_]+)="([^"]*)"', rest))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
 
 
 def wait_http_ok(proc: subprocess.Popen, log_path: Path, get, what: str, timeout: float,
@@ -74,12 +88,33 @@ class Worker:
         if token:
             cmd += ["--internal-token", token]
         cmd += extra or []
+        self.cmd, self.env = cmd, {**os.environ, **(env or {})}
         self.log = open(cache_dir / f"{role}-{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env=self.env)
         self.client = httpx.Client(base_url=self.url, timeout=60,
                                    headers={"Authorization": f"Bearer {token}"} if token else {})
         self.worker_id = f"{role}-{host}-{self.port}"
+        self._wait_ready()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the worker and wait for it to exit; its exit status."""
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def restart(self, new_port: bool = False) -> None:
+        """Start the same command again and wait until it is ready: on the same port (same id),
+        or on a new one (a new id, as a rescheduled pod gets)."""
+        assert self.proc.poll() is not None, "stop the worker first"
+        if new_port:
+            old = self.port
+            self.port = free_port()
+            self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+            self.url = self.url.replace(f":{old}", f":{self.port}")
+            self.worker_id = self.worker_id.replace(f"-{old}", f"-{self.port}")
+            self.client.base_url = self.url
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120) -> None:
@@ -157,15 +192,18 @@ def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampli
 class Router:
     """A real `tandem router` process over Redis discovery."""
 
-    def __init__(self, tokenizer_folder: Path, namespace: str | None, *, cache_dir: Path,
+    def __init__(self, tokenizer_folder: Path | None, namespace: str | None, *, cache_dir: Path,
                  policy: str = "kv_aware", block_size: int = 4, token: str | None = TOKEN,
                  redis_url: str | None = REDIS_URL, extra: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
+        """`tokenizer_folder` pins the router to that one model (`--model`, `--tokenizer`);
+        None: it serves every model that registers."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tandem.cli", "router", "--model", tokenizer_folder.name,
-               "--tokenizer", str(tokenizer_folder), "--block-size", str(block_size),
-               "--port", str(self.port), "--policy", policy]
+        cmd = [sys.executable, "-m", "tandem.cli", "router", "--block-size", str(block_size),
+               "--port", str(self.port), "--policy", policy, "--cache-dir", str(cache_dir)]
+        if tokenizer_folder is not None:
+            cmd += ["--model", tokenizer_folder.name, "--tokenizer", str(tokenizer_folder)]
         if redis_url:
             cmd += ["--redis-url", redis_url, "--namespace", namespace]
         if token:
@@ -176,14 +214,17 @@ class Router:
                                      env={**os.environ, **(env or {})})
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
-    def wait_workers(self, n: int, timeout: float = 30) -> None:
+    def wait_workers(self, n: int, timeout: float = 30, models: int = 0) -> None:
+        """Until the router routes to `n` workers (and serves `models` models)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited: {Path(self.log.name).read_text()[-3000:]}")
             try:
                 r = self.client.get("/ready")
-                if r.status_code == 200 and len(r.json()["workers"]) >= n:
+                ready = r.json()
+                if (r.status_code == 200 and len(ready["workers"]) >= n
+                        and len(ready.get("models", [])) >= models):
                     return
             except httpx.HTTPError:
                 pass
@@ -231,3 +272,4 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+

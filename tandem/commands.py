@@ -85,6 +85,7 @@ def router_settings(args: argparse.Namespace):
 def cmd_worker(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tandem.server import DrainingServer, run
     from worker.app import InsecureConfig
 
     settings = worker_settings(args)
@@ -100,11 +101,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except InsecureConfig as e:
         print(f"tandem {settings.role}: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
     state = app.state.worker
+    # After the drain, what is still streaming gets a moment, then is cut (the router resumes it).
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning", timeout_graceful_shutdown=2),
+                            drain=lambda: state.drain(settings.drain_timeout_s))
     state.request_shutdown = lambda: setattr(server, "should_exit", True)
-    server.run()
+    run(server)
     # A worker whose engine died exits non-zero, so its supervisor starts a fresh one.
     return state.exit_code or 0
 
@@ -119,10 +122,16 @@ def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
+    from tandem.server import DrainingServer, run
 
     settings = router_settings(args)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning", timeout_graceful_shutdown=5)
+    app = create_app(settings)
+    # The router's drain is uvicorn's own: stop listening, let in-flight requests finish.
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning",
+                                           timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
+                            drain=app.state.gateway.drain)
+    run(server)
     return 0
 
 
@@ -133,14 +142,17 @@ def _cluster(args: argparse.Namespace):
                    num_prefill=args.prefill, num_decode=args.decode,
                    redis_url=None if args.no_redis else args.redis_url, num_blocks=args.num_blocks,
                    threads=args.threads, namespace=args.namespace,
+                   drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
                    extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [])
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
-    # SIGTERM (kill, systemd, a container stop) stops the cluster like Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (kill, systemd, a container stop) and SIGHUP (the terminal closed) stop the cluster
+    # like Ctrl-C does: every child drains and deregisters (Cluster.down).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     try:
         cluster.up()
         print("[tandem] press Ctrl-C to stop", flush=True)
@@ -157,6 +169,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tandem.launcher import chat
 
     cluster = _cluster(args)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     try:
         url = cluster.up()
         question = "What is the capital of France? Answer in one sentence."

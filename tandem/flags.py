@@ -36,7 +36,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind is list:
-            kwargs["action"] = "append"
+            # Repeatable and multi-valued both (`--served-model-name a b`, as in `vllm serve`).
+            kwargs["action"] = "extend"
+            kwargs["nargs"] = "+"
             kwargs["metavar"] = "VALUE"
         else:
             kwargs["type"] = kind

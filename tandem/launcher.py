@@ -1,5 +1,8 @@
 """`tandem up` / `tandem demo`: a local cluster of processes (Redis, prefill and decode workers,
-the router) with readable progress and a clean shutdown on Ctrl-C."""
+the router) with readable progress and a clean shutdown however it is stopped: SIGINT, SIGTERM or
+SIGHUP are forwarded to every child as SIGTERM (each drains and deregisters, tandem/server.py),
+what outlives the drain is killed, and a launcher killed with SIGKILL takes its children with it
+(they get SIGTERM from the kernel when their parent dies)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tandem.server import set_parent_death_signal
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -41,7 +47,8 @@ class Cluster:
     num_prefill: int = 1
     num_decode: int = 1
     redis_url: str | None = "redis://127.0.0.1:6379/0"
-    namespace: str = "local"
+    namespace: str | None = None  # None: derived from the router port, so two clusters differ
+    drain_timeout_s: float = 30.0
     num_blocks: int | None = None
     threads: int | None = None
     log_dir: Path = Path(".tandem-logs")
@@ -58,31 +65,36 @@ class Cluster:
         log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")  # a restart appends
         # The token goes by environment, not argv: argv is readable by every user (ps).
         env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or ""}
+        # Own session: the terminal's Ctrl-C reaches the launcher alone, which forwards it.
         proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                preexec_fn=set_parent_death_signal)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         self.specs[name] = args
         return proc
 
     def _redis(self) -> str | None:
-        host, port = "127.0.0.1", 6379
         if self.redis_url is None:
             return None
+        given = urllib.parse.urlsplit(self.redis_url)
+        host, port = given.hostname or "127.0.0.1", given.port or 6379
         if _port_open(host, port):
             _say(f"using the Redis at {self.redis_url}")
             return self.redis_url
+        host = "127.0.0.1"
         if shutil.which("redis-server"):
             port = _free_port()
             self.log_dir.mkdir(parents=True, exist_ok=True)
             proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host, "--save", "",
                                      "--appendonly", "no"], stdout=open(self.log_dir / "redis.log", "w"),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=set_parent_death_signal)
             self.procs.append(("redis", proc))
             for _ in range(100):
                 if _port_open(host, port):
                     break
                 time.sleep(0.05)
-            _say(f"started redis-server on {host}:{port}")
+            _say(f"no Redis at {given.hostname}:{given.port or 6379}; started redis-server on "
+                 f"{host}:{port}")
             return f"redis://{host}:{port}/0"
         _say("warning: no Redis reachable and no redis-server installed; the router uses its "
              "in-process index (approximate, learns from its own routing)")
@@ -91,9 +103,14 @@ class Cluster:
     def up(self) -> str:
         if not self.internal_token:
             self.internal_token = secrets.token_urlsafe(32)
+        self.port = self.port or _free_port()
+        self.namespace = self.namespace or f"local-{self.port}"
         redis_url = self._redis()
+        if redis_url:
+            _say(f"Redis namespace {self.namespace!r}")
         static: list[str] = []
-        common = ["--model", self.model, "--cache-dir", str(self.cache_dir), *self.extra_worker_args]
+        common = ["--model", self.model, "--cache-dir", str(self.cache_dir),
+                  "--drain-timeout-s", str(self.drain_timeout_s), *self.extra_worker_args]
         if self.num_blocks:
             common += ["--num-blocks", str(self.num_blocks)]
         if self.threads:
@@ -110,9 +127,9 @@ class Cluster:
         for name, url in workers:
             self._wait(f"{url}/ready", name, 300)
             _say(f"{name} ready at {url}")
-        port = self.port or _free_port()
-        router = ["router", "--model", self.model, "--cache-dir", str(self.cache_dir),
-                  "--port", str(port)]
+        port = self.port
+        router = ["router", "--model", Path(self.model).name, "--cache-dir", str(self.cache_dir),
+                  "--port", str(port), "--drain-timeout-s", str(self.drain_timeout_s)]
         if redis_url:
             router += ["--redis-url", redis_url, "--namespace", self.namespace]
         else:
@@ -167,15 +184,23 @@ class Cluster:
                     started[name] = time.monotonic()
             time.sleep(poll_s)
 
-    def down(self) -> None:
+    def down(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (each drains, deregisters and exits), wait out the drain, kill
+        what is left. The router goes first: it stops taking requests while workers finish."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 15
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout_s + grace_s
+        try:
+            for name, proc in reversed(self.procs):
+                try:
+                    proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    _say(f"{name} did not stop in time; killing it")
+        except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM): no more waiting
+            _say("stopping now")
+        for _, proc in self.procs:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait(5)
         self.procs.clear()

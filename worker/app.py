@@ -37,7 +37,7 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         log.warning("no internal token: the internal API is open to every local process and KV "
                     "handles are unsigned (development only; tandem up generates a token)")
     registry = CollectorRegistry()
-    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role), parts)
+    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role, settings.served_names[0]), parts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,7 +73,10 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
     async def ready() -> Response:
         ok = state.ready and state.engine is not None and state.engine.alive
         body = {"ready": ok, "role": settings.role, "worker_id": settings.resolved_worker_id,
-                "redis": state.publisher.connected if state.publisher else None}
+                "redis": state.publisher.connected if state.publisher else None,
+                "draining": state.draining}
+        if state.engine is not None:
+            body.update(state.model_info())  # what a router that lists this worker learns
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")

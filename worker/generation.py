@@ -18,6 +18,7 @@ async def stream_generate(
     state: WorkerState, req: GenerateRequest, params: SamplingParams
 ) -> AsyncIterator[tuple[RequestOutput, RequestTiming | None]]:
     """Outputs of one request, the last one with its timing."""
+    state.admit()
     engine, importer = state.engine, state.parts.importer
     rid = req.request_id
     kvp = req.kv_transfer_params
@@ -28,6 +29,7 @@ async def stream_generate(
     except DuplicateRequestId as e:
         raise api_error(e) from e
     added = False
+    state.num_streams += 1
     try:
         # An invalid handle means a local prefill: nothing is pulled, nothing foreign is cached.
         remote = (kvp is not None and kvp.do_remote_prefill and state.connector is not None
@@ -57,14 +59,20 @@ async def stream_generate(
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True
-        first = True
+        last_t = None
+        metrics = state.metrics
         async for out in engine.outputs(rid, q):
-            if first and kvp is None:
-                state.metrics.observe_first_token(out, "decode")
-            first = False
-            state.metrics.generated_tokens.inc(len(out.new_token_ids))
+            now = time.monotonic()
+            if last_t is None:
+                if kvp is None:
+                    metrics.observe_first_token(out, "decode")
+                metrics.generated_tokens.inc(len(out.new_token_ids))
+            else:
+                metrics.observe_tokens(len(out.new_token_ids), now - last_t)
+            last_t = now
             timing = None
             if out.finished:
+                metrics.observe_finish(out.finish_reason)
                 added = False
                 # An imported request is created before its pull; the pull is not queueing.
                 queue_s = (out.first_scheduled_time - out.arrival_time - transfer_s
@@ -74,6 +82,7 @@ async def stream_generate(
                                        decode_s=time.monotonic() - t0 - transfer_s)
             yield out, timing
     finally:
+        state.num_streams -= 1
         engine.close_stream(rid)
         if added and engine.alive:
             engine.post("abort_request", rid)

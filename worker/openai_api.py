@@ -77,7 +77,13 @@ def openai_router(state: WorkerState) -> APIRouter:
     def prompt_ids(body: CompletionBody | ChatBody) -> list[int]:
         return prompt_token_ids(tok, body)
 
+    names = state.served_names
+
     async def handle(body: CompletionBody | ChatBody, request: Request, chat: bool):
+        if body.model is not None and body.model not in names:
+            raise APIError(404, f"model {body.model!r} does not exist; this worker serves "
+                           f"{', '.join(map(repr, names))}", "model_not_found", "model")
+        model = body.model or names[0]
         ids = prompt_ids(body)
         params = _params(body)
         rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
@@ -94,7 +100,7 @@ def openai_router(state: WorkerState) -> APIRouter:
             out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
             if out_kvp is not None:
                 out_kvp["tp_size"] = 1
-            return JSONResponse(_body(rid, created, core.model_id, text, [resp.first_token_id],
+            return JSONResponse(_body(rid, created, model, text, [resp.first_token_id],
                                       resp.finish_reason or "length", len(ids), 1, chat, out_kvp))
         output_ids: list[int] = []
         if kvp is not None and kvp.do_remote_prefill and state.settings.role == "prefill":
@@ -115,7 +121,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                     async for out, _ in prepend([first], items):
                         delta, sent = out.text[len(sent):], out.text
                         num_output = len(out.token_ids)
-                        yield _sse_chunk(rid, created, core.model_id, delta,
+                        yield _sse_chunk(rid, created, model, delta,
                                          out.new_token_ids, out.finish_reason, chat)
                 except EngineDeadError as e:
                     # Headers are sent: end the stream with an error event, not a cut connection.
@@ -123,7 +129,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                                                "param": None, "code": 503}})
                     return
                 if include_usage:
-                    yield _sse_json(envelope(rid, chat, created, core.model_id, [], stream=True,
+                    yield _sse_json(envelope(rid, chat, created, model, [], stream=True,
                                              usage_=usage(len(ids), num_output)))
                 yield b"data: [DONE]\n\n"
 
@@ -131,13 +137,14 @@ def openai_router(state: WorkerState) -> APIRouter:
         last = None
         async for last, _ in items:  # noqa: B007
             pass
-        return JSONResponse(_body(rid, created, core.model_id, last.text, last.token_ids,
+        return JSONResponse(_body(rid, created, model, last.text, last.token_ids,
                                   last.finish_reason, len(ids), len(last.token_ids), chat, None))
 
     @router.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": core.model_id, "object": "model",
-                                            "owned_by": "tandem", "max_model_len": core.max_model_len}]}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "owned_by": "tandem", "root": str(core.folder),
+             "max_model_len": core.max_model_len} for name in names]}
 
     @router.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):

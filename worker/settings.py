@@ -8,8 +8,10 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.model_identity import check_name
 
 Role = Literal["prefill", "decode", "colocated"]
 
@@ -20,8 +22,13 @@ class WorkerSettings(BaseSettings):
     role: Role = Field("colocated", description="which phase this worker serves (the subcommand)")
     model: str = Field("smollm2-135m-instruct", description="model name (smollm2-135m-instruct, "
                        "tiny-random) or a Hugging Face folder")
-    model_id: str | None = Field(None, description="the model's name in block hashes and "
-                                 "registrations (default: the model folder's name)")
+    model_id: str | None = Field(None, description="the engine's name for the model in logs "
+                                 "(default: the model folder's name)")
+    served_model_name: list[str] = Field([], description="name(s) clients use in `model`, "
+                                         "repeatable or several after one flag, as in vllm serve "
+                                         "(default: the model id)")
+    hash_salt: str | None = Field(None, description="salt of the block hashes (cache isolation); "
+                                  "must match the router's")
     cache_dir: Path | None = Field(None, description="where prepared models live "
                                    "(default $TANDEM_CACHE_DIR or ~/.cache/tandem)")
     host: str = Field("127.0.0.1", description="listen address; beyond loopback only with an "
@@ -34,6 +41,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str | None = Field(None, description="Redis for registration and block events, "
                                   "e.g. redis://127.0.0.1:6379/0; none: static workers only")
     namespace: str = Field("default", description="Redis key namespace shared with the router")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: how long in-flight "
+                                   "requests may take to finish after deregistering; the router "
+                                   "resumes what is left on another worker")
     heartbeat_ttl_s: float = Field(10.0, description="registration TTL; the router drops a worker "
                                    "this long after its last heartbeat")
     internal_token: str | None = Field(None, description="bearer token of the internal API and "
@@ -95,7 +105,7 @@ class WorkerSettings(BaseSettings):
             kv_memory_bytes=int(self.kv_memory_gb * (1 << 30)), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold or None,
-            num_threads=self.threads, pack_weights=self.pack_weights,
+            num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
         )
 
     @property
@@ -115,6 +125,17 @@ class WorkerSettings(BaseSettings):
     @property
     def on_loopback(self) -> bool:
         return is_loopback(self.host) and (self.advertise_host is None or is_loopback(self.advertise_host))
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, names: list[str]) -> list[str]:
+        return list(dict.fromkeys(check_name(n) for n in names))
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names this worker answers to: those given, or the model id (the engine names its
+        model after the folder, which is named after `--model`)."""
+        return self.served_model_name or [check_name(self.model_id or Path(self.model).expanduser().name)]
 
     def security_problem(self) -> str | None:
         """Why this configuration must not start, or None."""

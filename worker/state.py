@@ -21,6 +21,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.transport import TransportConfig
 from kv_transfer.transports import default_transport_name
+from worker.errors import APIError
 from worker.metrics import WorkerMetrics
 from worker.role import RoleParts
 from worker.settings import WorkerSettings
@@ -38,7 +39,9 @@ class WorkerState:
     connector: KVConnector | None = None
     publisher: WorkerPublisher | None = None
     ready: bool = False
+    draining: bool = False  # SIGTERM/SIGINT: new work is refused (see drain)
     num_prefill_inflight: int = 0
+    num_streams: int = 0  # generations in flight (internal /generate and the OpenAI endpoints)
     started_at: float = field(default_factory=time.time)
     # Set when the engine thread died: the process should exit with it (see on_engine_death).
     exit_code: int | None = None
@@ -76,7 +79,7 @@ class WorkerState:
                                       port=s.transport_port, pull_timeout_s=s.pull_timeout_s,
                                       handshake_timeout_s=s.handshake_timeout_s)
             self.connector = KVConnector(
-                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_id), tconfig, transport,
+                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_digest), tconfig, transport,
                 release=lambda rid: self.engine.post("release", rid),
                 lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
                 errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
@@ -91,6 +94,40 @@ class WorkerState:
                 errors=self.errors, token=s.internal_token)
             self.publisher.start()
         self.ready = True
+
+    def admit(self) -> None:
+        """Raise the 503 a new request gets while this worker drains: the router retries the
+        prefill elsewhere or resumes the stream on another decode worker."""
+        if self.draining:
+            raise APIError(503, "this worker is shutting down", "draining",
+                           headers={"Retry-After": "1"})
+
+    def busy(self) -> bool:
+        """Work that a drain waits for: prefills and streams in flight, blocks leased to a pull."""
+        leased = self.connector.leases.num_leased_blocks if self.connector is not None else 0
+        return bool(self.num_prefill_inflight or self.num_streams or leased)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking work, leave Redis at once (the router stops routing here within one
+        refresh), then let what runs finish, for at most `timeout_s`. What is still running
+        after that is cut when the server stops, and the router resumes it elsewhere."""
+        if self.draining:
+            return
+        self.draining, self.ready = True, False
+        log.info("draining: deregistering; %d prefills and %d streams in flight",
+                 self.num_prefill_inflight, self.num_streams)
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            await publisher.close(deregister=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.busy():
+            log.warning("drain timeout (%.1f s): %d prefills and %d streams cut; the router resumes "
+                        "them elsewhere", timeout_s, self.num_prefill_inflight, self.num_streams)
+        else:
+            log.info("drained")
 
     def on_engine_death(self, error: BaseException) -> None:
         """The engine thread died (its requests have been failed already). A worker without an
@@ -129,15 +166,27 @@ class WorkerState:
     async def _snapshot(self) -> list[int]:
         return await self.engine.call("cached_hashes")
 
+    @property
+    def served_names(self) -> list[str]:
+        return self.settings.served_names
+
+    def model_info(self) -> dict:
+        """Which model this worker serves, as registered and as `/ready` tells a static router."""
+        core = self.core
+        return {"model": self.served_names[0], "served_model_names": self.served_names,
+                "model_digest": core.model_digest, "tokenizer_path": str(core.folder),
+                "block_size": core.block_size, "hash_seed": core.hasher.seed,
+                "max_model_len": core.max_model_len}
+
     def registration_info(self) -> dict:
         s, core = self.settings, self.core
         return {
-            "role": s.role, "url": s.url, "model": core.model_id, "block_size": core.block_size,
+            **self.model_info(), "role": s.role, "url": s.url,
             "capacity": core.num_blocks, "engine_id": s.resolved_worker_id,
             "transport": self.connector.transport.name if self.connector else "",
             "max_model_len": core.max_model_len, "started_at": self.started_at,
             # What one block costs to move: the router's kv_aware charges transfers with it.
-            "block_bytes": KVLayout.of_cache(core.kv_cache, core.model_id).bytes_per_block,
+            "block_bytes": KVLayout.of_cache(core.kv_cache, core.model_digest).bytes_per_block,
         }
 
     def load(self) -> dict:

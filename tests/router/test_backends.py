@@ -26,9 +26,13 @@ PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2683, 35
 
 
 def test_static_worker_entries():
-    assert parse_static("prefill=http://h:1/") == ("tandem", "prefill", "http://h:1")
-    assert parse_static("vllm:decode=http://h:2") == ("vllm", "decode", "http://h:2")
-    assert parse_static("tandem:colocated=http://h:3") == ("tandem", "colocated", "http://h:3")
+    assert parse_static("prefill=http://h:1/") == ("tandem", "prefill", "http://h:1", None)
+    assert parse_static("vllm:decode=http://h:2") == ("vllm", "decode", "http://h:2", None)
+    assert parse_static("tandem:colocated=http://h:3") == ("tandem", "colocated", "http://h:3", None)
+    assert parse_static("vllm:prefill=http://h:1,model=qwen/qwen2.5-7b") == (
+        "vllm", "prefill", "http://h:1", "qwen/qwen2.5-7b")
+    with pytest.raises(ValueError):
+        parse_static("decode=http://h:2,model=bad name")
     for bad in ("decode", "sglang:decode=http://h", "vllm:router=http://h", "=http://h"):
         with pytest.raises(ValueError, match="must look like"):
             parse_static(bad)

@@ -1,0 +1,79 @@
+"""How every Tandem service stops: the same on SIGTERM (kill, systemd, a container stop, `tandem
+up`) and SIGINT (Ctrl-C). The first signal starts a drain (a worker stops taking work,
+deregisters and lets in-flight requests finish; see WorkerState.drain), then uvicorn's graceful
+shutdown, and the process exits 0. A second signal exits at once.
+
+uvicorn alone stops listening and waits, but it deregisters nothing until its lifespan ends, and
+it re-raises the signal after shutdown (exit status 143 for SIGTERM, a traceback for SIGINT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config,
+                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None
+        self.signalled = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not recorded in uvicorn's _captured_signals: nothing is re-raised after shutdown.
+        if self.signalled or self.drain is None or self._loop is None:
+            if self.signalled:
+                self.force_exit = True
+            self.should_exit = True
+            self.signalled = True
+            return
+        self.signalled = True
+        log.info("%s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.drain()
+        except Exception:  # noqa: BLE001 - a failed drain must still end in an exit
+            log.exception("drain failed; shutting down anyway")
+        self.should_exit = True
+
+
+def run(server: DrainingServer) -> None:
+    """Serve until stopped. Signals that arrive while the app is still loading (a worker loads its
+    model before uvicorn takes the signals over) end the process at once, with status 0."""
+    for sig in SIGNALS:
+        signal.signal(sig, lambda *_: os._exit(0) if not server.started else None)
+    server.run()
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Linux: get `sig` when the parent process dies (even by SIGKILL), so nothing a launcher
+    started outlives it. For `subprocess.Popen(preexec_fn=...)`; a no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

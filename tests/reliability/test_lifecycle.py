@@ -1,0 +1,182 @@
+"""How a cluster stops and restarts (issue 17): each service drains on SIGTERM (deregisters at
+once, finishes or hands off its streams, exits 0); a rolling restart of every worker under
+streaming load fails no request and loses or repeats no token; `tandem up` stopped by SIGTERM or
+killed by SIGKILL leaves no process and no Redis key behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
+from tandem.streaming_load import StreamingLoad
+
+TINY = "tiny-random"
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(REDIS_URL)
+
+
+def _keys(ns: str) -> list[bytes]:
+    return list(_redis().scan_iter(match=f"tandem:{ns}:*", count=1000))
+
+
+def _wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"not within {timeout} s: {what}")
+
+
+@pytest.fixture
+def cluster_2p2d(tiny_folder, tmp_path):
+    ns = f"roll-{uuid.uuid4().hex[:8]}"
+    workers: list[Worker] = []
+    router = None
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            workers.append(Worker(role, str(tiny_folder), cache_dir=tmp_path, namespace=ns,
+                                  extra=["--drain-timeout-s", "10", "--lease-seconds", "5"]))
+        router = Router(tiny_folder, ns, cache_dir=tmp_path)
+        router.wait_workers(4)
+        yield router, workers, ns
+    finally:
+        for p in [router, *workers]:
+            if p is not None:
+                p.close()
+
+
+def test_sigterm_deregisters_at_once_and_exits_zero(cluster_2p2d):
+    router, workers, ns = cluster_2p2d
+    d = workers[2]
+    key = f"tandem:{ns}:worker:{d.worker_id}"
+    assert _redis().exists(key)
+    d.proc.send_signal(signal.SIGTERM)
+    _wait_until(lambda: not _redis().exists(key), 3.0, "the registration deleted")
+    assert d.proc.wait(30) == 0
+    assert "Traceback" not in Path(d.log.name).read_text()
+
+
+def test_rolling_restart_under_streaming_load_loses_nothing(cluster_2p2d):
+    router, workers, ns = cluster_2p2d
+    load = StreamingLoad(router.url, TINY, num_clients=3, max_tokens=40).start()
+    time.sleep(1.0)
+    for w in workers:
+        ok_before = load.num_ok
+        assert w.stop(signal.SIGTERM) == 0, Path(w.log.name).read_text()[-2000:]
+        w.restart()
+        router.wait_workers(4)
+        # The load keeps flowing through every restart.
+        _wait_until(lambda ok=ok_before: load.num_ok > ok + 3, 30, "answers after a restart")
+    result = load.stop()
+    assert result["failures"] == [] and result["mismatches"] == [], result
+    assert result["ok"] >= 20
+    r = _redis()
+    for w in workers:  # every worker back in the index
+        assert r.exists(f"tandem:{ns}:worker:{w.worker_id}")
+    assert set(router.client.get("/ready").json()["workers"]) == {w.worker_id for w in workers}
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_path):
+    port = free_port()
+    ns = f"local-{port}"
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_folder), "--port", str(port),
+           "--redis-url", REDIS_URL, "--cache-dir", str(tmp_path), "--threads", "1",
+           "--num-blocks", "256", "--drain-timeout-s", "5"]
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, "TANDEM_INTERNAL_TOKEN": TOKEN}, start_new_session=True)
+    family: set[int] = set()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until(lambda: up.poll() is None and _ready(url), 120, "tandem up ready")
+        assert f"namespace '{ns}'" in (tmp_path / "up.log").read_text()
+        assert _keys(ns)
+        results: list[str] = []
+        streams = [threading.Thread(target=_stream, args=(url, i, results)) for i in range(2)]
+        for t in streams:
+            t.start()
+        time.sleep(0.5)  # the streams are running
+        family = _descendants(up.pid)
+        assert len(family) >= 3  # two workers and the router at least
+        up.send_signal(sig)
+        for t in streams:
+            t.join(60)
+        # Every stream finished, or ended with a clean error (never a hang or a cut).
+        assert len(results) == 2 and all(r in ("done", "error") for r in results), results
+        if sig == signal.SIGTERM:
+            assert up.wait(60) == 0
+        _wait_until(lambda: not any(_alive(p) for p in family), 40,
+                    f"every process of the cluster gone: {[p for p in family if _alive(p)]}")
+        _wait_until(lambda: not _keys(ns), 10, f"no key of {ns} left: {_keys(ns)}")
+    finally:
+        for pid in family | {up.pid}:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        up.wait(10)
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stream(url: str, i: int, results: list[str]) -> None:
+    body = {"model": TINY, "prompt": f"a long story {i}", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    outcome = "cut"
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            if r.status_code != 200:
+                outcome = "error"
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    outcome = "done" if outcome != "error" else outcome
+                elif line.startswith("data: ") and '"error"' in line:
+                    outcome = "error"
+    except httpx.HTTPError:
+        outcome = "cut"
+    results.append(outcome)
