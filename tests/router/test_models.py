@@ -9,9 +9,10 @@ import shutil
 import time
 import uuid
 
+import httpx
 import pytest
 
-from tandem.cluster import Router, Worker, scrape
+from tandem.cluster import Router, Worker, scrape, series_sum
 
 SMOL = "smollm2-135m-instruct"
 TINY = "tiny-random"
@@ -118,3 +119,50 @@ def test_a_worker_with_another_identity_under_a_served_name_is_refused(fleet, ti
             f'tandem_worker_requests_total{{endpoint="generate",model="{TINY}",status="200"}}', 0) == 0
     finally:
         impostor.close()
+
+
+def test_workers_export_vllm_metric_names(fleet):
+    _, workers, by_model, *_ = fleet
+    for wid in by_model[TINY]:
+        m = workers[wid].metrics()
+        label = {"model_name": TINY}
+        assert series_sum(m, "vllm:kv_cache_usage_perc", **label) >= 0
+        assert any(k.startswith("vllm:num_requests_waiting") for k in m)
+        if wid.startswith("prefill"):
+            assert series_sum(m, "vllm:time_to_first_token_seconds_count", **label) >= 3
+            assert series_sum(m, "vllm:prefix_cache_queries_total", **label) > 0
+        else:  # the decode leg streams the tokens after the first and ends the requests
+            assert series_sum(m, "vllm:inter_token_latency_seconds_count", **label) > 0
+            assert series_sum(m, "vllm:request_success_total", **label) >= 3
+            assert not any(f'model_name="{SMOL}"' in k for k in m)
+
+
+def test_every_status_the_router_answers_is_counted(tiny_folder, tmp_path):
+    # No Redis, one static decode worker that is down: every request ends in an error.
+    r = Router(tiny_folder, None, cache_dir=tmp_path, redis_url=None, extra=[
+        "--api-key", "k", "--rate-limit-rpm", "5", "--max-body-bytes", "4096",
+        "--worker", "decode=http://127.0.0.1:1"])
+    try:
+        for _ in range(100):
+            try:
+                if r.client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        auth = {"Authorization": "Bearer k"}
+        ok_body = {"model": TINY, "prompt": "hello", "max_tokens": 2}
+        want = [(401, {}, ok_body), (413, auth, {"model": TINY, "prompt": "x" * 5000}),
+                (400, auth, {"model": TINY, "prompt": "hi", "max_tokens": -1}),
+                (404, auth, {**ok_body, "model": "nope"}),
+                (503, auth, ok_body), (503, auth, ok_body), (503, auth, ok_body), (429, auth, ok_body)]
+        for status, headers, body in want:
+            resp = r.client.post("/v1/completions", headers=headers, json=body)
+            assert resp.status_code == status, (status, resp.text)
+            assert "error" in resp.json()
+        m = r.metrics()
+        for status, model, n in (("401", "", 1), ("413", "", 1), ("400", "", 1), ("404", "", 1),
+                                 ("429", "", 1), ("503", TINY, 3), ("500", "", 0), ("200", TINY, 0)):
+            key = f'tandem_requests_total{{model="{model}",status="{status}"}}'
+            assert m.get(key) == n, (key, {k: v for k, v in m.items() if "requests_total" in k})
+    finally:
+        r.close()
