@@ -171,7 +171,7 @@ class Gateway:
         for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
             (index if w.backend == "tandem" else model.approx_index).record(w.worker_id, hashes)
         self.metrics.route.labels(plan.kind, model.name).inc()
-        self.metrics.overhead.observe(time.perf_counter() - t0)
+        self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
         return plan
 
     def sampling(self, body, n_index: int) -> SamplingOptions:

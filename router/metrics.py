@@ -26,7 +26,7 @@ class RouterMetrics:
                              buckets=_FAST + _LAT[4:], registry=r)
         self.latency = Histogram("tandem_request_latency_seconds", "Request latency", m, buckets=_LAT, registry=r)
         self.overhead = Histogram("tandem_router_overhead_seconds", "Router work before the first worker call",
-                                  buckets=_FAST, registry=r)
+                                  m, buckets=_FAST, registry=r)
         self.prefill = Histogram("tandem_prefill_time_seconds", "Prefill leg as seen by the router", m,
                                  buckets=_LAT, registry=r)
         self.requests = Counter("tandem_requests", "Requests by status", ["status", "model"], registry=r)

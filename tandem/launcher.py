@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.server import set_parent_death_signal
+from tandem.server import parent_death_signal
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -68,7 +68,7 @@ class Cluster:
         # Own session: the terminal's Ctrl-C reaches the launcher alone, which forwards it.
         proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                preexec_fn=set_parent_death_signal)
+                                preexec_fn=parent_death_signal())
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         self.specs[name] = args
         return proc
@@ -87,7 +87,7 @@ class Cluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host, "--save", "",
                                      "--appendonly", "no"], stdout=open(self.log_dir / "redis.log", "w"),
-                                    start_new_session=True, preexec_fn=set_parent_death_signal)
+                                    start_new_session=True, preexec_fn=parent_death_signal())
             self.procs.append(("redis", proc))
             for _ in range(100):
                 if _port_open(host, port):

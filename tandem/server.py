@@ -66,14 +66,22 @@ def run(server: DrainingServer) -> None:
     server.run()
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Linux: get `sig` when the parent process dies (even by SIGKILL), so nothing a launcher
-    started outlives it. For `subprocess.Popen(preexec_fn=...)`; a no-op elsewhere."""
-    try:
-        import ctypes
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """Linux: a `subprocess.Popen(preexec_fn=...)` that makes the child get `sig` when this
+    process dies (even by SIGKILL), so nothing a launcher started outlives it. A no-op where
+    prctl is missing."""
+    parent = os.getpid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(0)
+
+    return preexec
