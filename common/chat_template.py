@@ -145,7 +145,24 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
         name = "tool_use" if tools and "tool_use" in self._compiled else "default"
-        chat = [_message(_plain(m)) for m in messages]
+        try:
+            return self._render(name, [_message(_plain(m)) for m in messages], tools, documents,
+                                add_generation_prompt, continue_final_message, kwargs)
+        except jinja2.UndefinedError as e:
+            if not any(isinstance(m, Mapping) and "content" in m and m["content"] is None
+                       for m in messages):
+                raise ChatTemplateError(f"the chat template failed: {e}") from e
+        # A template that knows nothing of tool calls reads every message's content: give the
+        # assistant turns whose content is null an empty one (transformers would fail here).
+        chat = [_message({**_plain(m), "content": m.get("content") or ""}) for m in messages]
+        try:
+            return self._render(name, chat, tools, documents, add_generation_prompt,
+                                continue_final_message, kwargs)
+        except jinja2.UndefinedError as e:
+            raise ChatTemplateError(f"the chat template failed: {e}") from e
+
+    def _render(self, name: str, chat: list[dict], tools, documents, add_generation_prompt: bool,
+                continue_final_message: bool, kwargs: dict) -> str:
         final = None
         if continue_final_message:
             final = chat[-1].get("content")
@@ -157,7 +174,7 @@ class ChatTemplate:
                 messages=chat, tools=_plain(tools), documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt,
                 **_plain({**self.special_tokens, **kwargs}))
-        except ChatTemplateError:
+        except (ChatTemplateError, jinja2.UndefinedError):
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e

@@ -84,8 +84,10 @@ def prompt_token_ids(tokenizer: Tokenizer, body) -> list[int]:
     """A chat body's `messages` through the chat template, or a completions body's `prompt`,
     as token ids; a bad one is a 400 naming the field."""
     if hasattr(body, "messages"):
+        args = body.template_args()
+        gen = body.add_generation_prompt and not body.continue_final_message
         try:
-            return tokenizer.encode_chat(body.messages)
+            return tokenizer.encode_chat(body.messages, gen, **args)
         except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
             raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
     try:

@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def usage(num_prompt: int, num_output: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output}
+def usage(num_prompt: int, num_output: int, num_cached: int | None = None) -> dict:
+    """OpenAI's usage object; `num_cached`: prompt tokens served from the prefix cache."""
+    out: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                           "total_tokens": num_prompt + num_output}
+    if num_cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return out
 
 
 def choice(index: int, text: str, finish: str | None, chat: bool, logprobs: dict | None = None) -> dict:

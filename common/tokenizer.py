@@ -6,25 +6,21 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from common.chat_template import ChatTemplate, ChatTemplateError
 
-class ChatTemplateError(ValueError):
-    """The conversation does not fit the model's chat template (raised by the template itself)."""
-
+__all__ = ["ChatTemplateError", "TextStream", "Tokenizer"]
 
 _RELEASE_GIL_CHARS = 4096
 
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+# The special tokens a chat template sees as variables (transformers' special_tokens_map).
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 
 
 class Tokenizer:
@@ -40,14 +36,24 @@ class Tokenizer:
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
             template = jinja_file.read_text()
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
-        self.bos_token = _token_str(cfg.get("bos_token"))
-        self.eos_token = _token_str(cfg.get("eos_token"))
+        if isinstance(template, list):  # named templates (default, tool_use, ...)
+            template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+        special = {k: _token_str(cfg.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        self.special_tokens = {k: v for k, v in special.items() if v}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self._compiled: jinja2.Template | None = None
+        self.template: ChatTemplate | None = None
+        self.set_chat_template(template)
+
+    def set_chat_template(self, template: str | dict[str, str] | None) -> None:
+        """Use `template` (a model's own, or a `--chat-template` override)."""
+        self.template = ChatTemplate(template, self.special_tokens) if template else None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.template.source if self.template else None
 
     @functools.cached_property
     def max_token_bytes(self) -> int | None:
@@ -90,32 +96,19 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self, skip_special_tokens)
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text, as transformers' `apply_chat_template(..., tokenize=False)` renders it
+        (common/chat_template.py); `kwargs`: tools, documents, continue_final_message, and any
+        variable the template reads."""
+        if self.template is None:
             raise ChatTemplateError("this model has no chat template")
-        if not messages:
-            raise ChatTemplateError("messages must not be empty")
-        if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled = env.from_string(self.chat_template)
-        return self._compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
         # As transformers does: the template already carries the special tokens.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
 
 
 class TextStream:

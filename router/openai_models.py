@@ -3,11 +3,12 @@ sampling fields are common/openai_request.py's, shared with the workers' OpenAI 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from common.bounds import Logprobs, MaxTokens, TokenId
+from common.chat_messages import ChatFields
 from common.openai_request import OpenAISampling
 
 MAX_N = 8
@@ -25,27 +26,16 @@ class _Common(OpenAISampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=512)
+    # Accepted and ignored, as OpenAI-compatible servers do: nothing is stored here.
+    store: bool | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
     priority: Literal["interactive", "batch"] | None = None
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+class ChatCompletionRequest(_Common, ChatFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, v):
-        for m in v:
-            if not isinstance(m.get("role"), str):
-                raise ValueError("every message needs a string role")
-            c = m.get("content")
-            if isinstance(c, list):  # content parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in c if isinstance(p, dict))
-            elif not isinstance(c, str) and c is not None:
-                raise ValueError("message content must be a string")
-        return v
 
 
 class CompletionRequest(_Common):

@@ -83,7 +83,9 @@ def _json_response(gw: Gateway, model: ServedModel, results, body, chat, rid, cr
                               to_logprobs(lps, _token_text(model)) if want_lp else None))
     gw.metrics.count(200, model.name)
     timing = timing_field(results[0][4], t_start)
-    out = envelope(rid, chat, created, body.model, choices, usage_=usage(len(prompt), n_out))
+    trace = results[0][4]
+    cached = trace.num_cached_tokens if trace is not None else None
+    out = envelope(rid, chat, created, body.model, choices, usage_=usage(len(prompt), n_out, cached))
     out["tandem"] = timing
     return Response(orjson.dumps(out), media_type="application/json",
                     headers={"x-tandem-timing": orjson.dumps(timing).decode()})
@@ -173,7 +175,8 @@ async def _sse(gw: Gateway, served: ServedModel, first, gen, body, chat, rid, cr
             yield sse_data(final)
             if include_usage:
                 yield sse_data(envelope(rid, chat, created, model, [], stream=True,
-                                        usage_=usage(len(prompt), n_out)))
+                                        usage_=usage(len(prompt), n_out,
+                                                     trace.num_cached_tokens if trace else None)))
             yield b"data: [DONE]\n\n"
             metrics.count(200, label)
             metrics.completion_tokens.labels(label).inc(n_out)

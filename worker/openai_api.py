@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,6 +26,7 @@ from common.bounds import (
     PromptTokenIds,
     is_request_id,
 )
+from common.chat_messages import ChatFields
 from common.openai_request import OpenAISampling, prompt_token_ids
 from common.openai_response import choice, chunk_choice, envelope, usage
 from common.protocol import GenerateRequest, KVTransferParams
@@ -58,8 +58,8 @@ class CompletionBody(_OpenAIBase):
     prompt: str | PromptTokenIds | list[str] | list[PromptTokenIds]
 
 
-class ChatBody(_OpenAIBase):
-    messages: list[dict[str, Any]]
+class ChatBody(_OpenAIBase, ChatFields):
+    pass
 
 
 def _params(body: _OpenAIBase) -> SamplingParams:
@@ -116,11 +116,11 @@ def openai_router(state: WorkerState) -> APIRouter:
 
             async def sse():
                 sent = ""  # cumulative text: deltas never split a multi-byte character
-                num_output = 0
+                num_output, cached = 0, None
                 try:
                     async for out, _ in prepend([first], items):
                         delta, sent = out.text[len(sent):], out.text
-                        num_output = len(out.token_ids)
+                        num_output, cached = len(out.token_ids), out.num_cached_tokens
                         yield _sse_chunk(rid, created, model, delta,
                                          out.new_token_ids, out.finish_reason, chat)
                 except EngineDeadError as e:
@@ -130,7 +130,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                     return
                 if include_usage:
                     yield _sse_json(envelope(rid, chat, created, model, [], stream=True,
-                                             usage_=usage(len(ids), num_output)))
+                                             usage_=usage(len(ids), num_output, cached)))
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
@@ -138,7 +138,8 @@ def openai_router(state: WorkerState) -> APIRouter:
         async for last, _ in items:  # noqa: B007
             pass
         return JSONResponse(_body(rid, created, model, last.text, last.token_ids,
-                                  last.finish_reason, len(ids), len(last.token_ids), chat, None))
+                                  last.finish_reason, len(ids), len(last.token_ids), chat, None,
+                                  last.num_cached_tokens))
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -162,17 +163,20 @@ def openai_router(state: WorkerState) -> APIRouter:
     @router.post("/v1/chat/completions/render")
     async def render_chat(body: ChatBody) -> dict:
         ids = prompt_ids(body)
-        return {"prompt": tok.apply_chat_template(body.messages), "prompt_token_ids": ids,
+        gen = body.add_generation_prompt and not body.continue_final_message
+        return {"prompt": tok.apply_chat_template(body.messages, gen, **body.template_args()),
+                "prompt_token_ids": ids,
                 "token_ids": ids, "num_tokens": len(ids)}
 
     return router
 
 
 
-def _body(rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp) -> dict:
+def _body(rid, created, model, text, token_ids, finish, n_prompt, n_out, chat, kvp,
+          cached: int | None = None) -> dict:
     c = choice(0, text, finish, chat)
     c["token_ids"] = token_ids  # vLLM's return_token_ids: P/D proxies read them
-    body = envelope(rid, chat, created, model, [c], usage_=usage(n_prompt, n_out))
+    body = envelope(rid, chat, created, model, [c], usage_=usage(n_prompt, n_out, cached))
     if kvp is not None:
         body["kv_transfer_params"] = kvp
     return body
