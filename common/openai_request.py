@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from common.bounds import (
     MAX_STOP_CHARS,
@@ -24,12 +24,13 @@ from common.bounds import (
 )
 from common.errors import APIError
 from common.protocol import SamplingOptions
+from common.structured import StructuredFields
 from common.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_OPENAI_STOPS = 4  # OpenAI's own limit
 
 
-class OpenAISampling(BaseModel):
+class OpenAISampling(StructuredFields):
     """Mixed into the request models; `None` means "the default" wherever OpenAI allows null."""
 
     max_tokens: MaxTokens | None = None
@@ -77,7 +78,8 @@ class OpenAISampling(BaseModel):
             max_tokens=self.requested_max_tokens() or default_max_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0, logprobs=logprobs)
+            frequency_penalty=self.frequency_penalty or 0.0, logprobs=logprobs,
+            structured=self.structured())
 
 
 def prompt_token_ids(tokenizer: Tokenizer, body) -> list[int]:

@@ -36,6 +36,20 @@ from common.bounds import (
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+MAX_GRAMMAR_CHARS = 64 << 10
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the output (engine/structured_output.py): a JSON schema (`json`; `{"type":
+    "object"}` is OpenAI's json_object), a regular expression, a list of choices (`choice`, JSON
+    text) or a Lark/GBNF grammar (`grammar`). `spec` is text, compiled where it is applied."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+
 class SamplingOptions(BaseModel):
     """Per-request sampling, as it crosses process boundaries. Defaults follow vLLM."""
 
@@ -53,6 +67,7 @@ class SamplingOptions(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logprobs: Logprobs | None = None
+    structured: StructuredOutput | None = None
 
 
 class KVTransferParams(BaseModel):

@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams, check_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Logprob, Sequence, SequenceStatus
 from engine.stop import stop_reason
+from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
@@ -81,6 +82,7 @@ class LLMEngine:
                                    config.long_prefill_token_threshold, config.max_long_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
         self.sampler = Sampler(config.seed, self.device)
+        self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests keeping their blocks
         self.importing: dict[str, Sequence] = {}
@@ -88,13 +90,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _new_sequence(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_token_ids: list[int] | None,
-    ) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      output_token_ids: list[int] | None) -> Sequence:
         if request_id in self.requests or request_id in self.held or request_id in self.importing:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt, out = list(prompt_token_ids), list(output_token_ids or [])
@@ -109,6 +106,8 @@ class LLMEngine:
                 # Continue the stream of random draws where the tokens given were sampled
                 # (by a prefill worker, or before a failure), so P/D equals one engine.
                 self.sampler.skip(seq.generator, len(out))
+        if params.structured is not None:
+            self.structured.start(seq)  # after the output given, as if sampled here
         seq.text_stream = self.tokenizer.decode_stream(params.skip_special_tokens)
         for t in out:
             seq.text += seq.text_stream.step(t)
@@ -131,13 +130,8 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_imported_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_token_ids: list[int] | None = None,
-    ) -> tuple[Sequence, int]:
+    def add_imported_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             output_token_ids: list[int] | None = None) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV comes from elsewhere.
 
         KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
@@ -157,13 +151,8 @@ class LLMEngine:
         self.importing[request_id] = seq
         return seq, len(prefix)
 
-    def import_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_token_ids: list[int] | None = None,
-    ) -> tuple[list[int], int]:
+    def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       output_token_ids: list[int] | None = None) -> tuple[list[int], int]:
         """`add_imported_request` for a caller in another thread or process: returns the
         request's block table (a copy) and how many leading blocks are already here."""
         seq, num_local = self.add_imported_request(request_id, prompt_token_ids, params,
@@ -249,6 +238,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if rows:
             seqs = [r.seq for r in rows]
+            self.structured.mask(logits, seqs)
             token_ids, logprobs = self.sampler(logits, seqs)
             for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
                 outputs.append(self._append_token(seq, token_id, lp))
@@ -274,6 +264,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token_id: int, lp: Logprob | None) -> RequestOutput:
         seq.output_token_ids.append(token_id)
+        self.structured.accept(seq, token_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if lp is not None and seq.logprobs is not None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from common import bounds
-from common.protocol import SamplingOptions
+from common.protocol import SamplingOptions, StructuredOutput
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = bounds.MAX_LOGPROBS
@@ -32,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # engine/structured_output.py
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,7 +88,7 @@ class SamplingParams:
 
     @classmethod
     def from_options(cls, options: SamplingOptions) -> SamplingParams:
-        return cls(**options.model_dump())
+        return cls(**{**options.model_dump(), "structured": options.structured})
 
     def to_options(self) -> SamplingOptions:
         data = {k: getattr(self, k) for k in SamplingOptions.model_fields}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class Sequence:
     # Prefill-only requests stop after their first token but keep their blocks (for export).
     hold_blocks: bool = False
     generator: torch.Generator | None = None
+    matcher: Any = None  # llguidance's matcher of a structured-output request (structured_output.py)
     text_stream: TextStream | None = None
     text: str = ""
     logprobs: list[Logprob] | None = None

@@ -1,0 +1,126 @@
+"""Structured outputs at the API edge: the OpenAI and vLLM request fields that constrain the output
+(`response_format` json_object / json_schema, vLLM's `structured_outputs` and `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`), turned into one `StructuredOutput`
+(common/protocol.py) and compiled by llguidance, so a bad schema is a 400 before any worker sees
+it. The engine compiles the same spec again (cached) against its vocabulary
+(engine/structured_output.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.protocol import MAX_GRAMMAR_CHARS, StructuredOutput
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object: one of its constraints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+
+
+class StructuredFields(BaseModel):
+    """Mixed into the request models (router and workers)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[str] | None = Field(None, max_length=1024)
+    guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's one constraint; ValueError for two at once or a spec that does not
+        compile."""
+        found: list[tuple[str, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("json", '{"type": "object"}'))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema else None
+            found.append(("json", json.dumps(schema if schema is not None else {"type": "object"})))
+        so = self.structured_outputs
+        if so is not None:
+            _add(found, "json", so.json_)
+            _add(found, "regex", so.regex)
+            _add(found, "choice", so.choice)
+            _add(found, "grammar", so.grammar)
+            if so.json_object:
+                found.append(("json", '{"type": "object"}'))
+        _add(found, "json", self.guided_json)
+        _add(found, "regex", self.guided_regex)
+        _add(found, "choice", self.guided_choice)
+        _add(found, "grammar", self.guided_grammar)
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError("give one structured output constraint (response_format, "
+                             "structured_outputs or one guided_* field), not several")
+        kind, spec = found[0]
+        out = StructuredOutput(kind=kind, spec=spec)
+        compile_grammar(out.kind, out.spec)
+        return out
+
+
+def _add(found: list, kind: str, value: Any) -> None:
+    if value is None:
+        return
+    if kind in ("json", "choice") and not isinstance(value, str):
+        value = json.dumps(value)
+    found.append((kind, value))
+
+
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@functools.lru_cache(maxsize=256)
+def compile_grammar(kind: str, spec: str) -> str:
+    """llguidance's grammar for a spec; ValueError (naming what is wrong) for a bad one."""
+    import llguidance
+
+    if kind == "choice":
+        try:
+            choices = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid choice constraint: {e}") from e
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError("a choice constraint must be a non-empty list of non-empty strings")
+    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
+    try:
+        if kind == "json":
+            # One space after `:` and `,`, nowhere else (a schema's own x-guidance may say
+            # otherwise): free whitespace lets a model pad until max_tokens and cut the JSON.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_LAYOUT)
+        else:
+            grammar = llguidance.grammar_from(fmt, spec)
+    except Exception as e:  # noqa: BLE001 - llguidance raises several kinds for a bad spec
+        raise ValueError(f"invalid {kind} constraint: {e}") from e
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"invalid {kind} constraint: {'; '.join(messages)}")
+    return grammar

@@ -1,0 +1,76 @@
+"""Structured outputs: the tokens a constrained request may sample next, from a grammar engine
+(llguidance: a JSON schema, a regex, a choice or a Lark/GBNF grammar compiled against the model's
+own vocabulary).
+
+Each constrained sequence has a matcher that has consumed every output token so far, so a
+request that arrives with output already sampled elsewhere (the decode side of P/D, a resume
+after a failed worker) continues under the grammar from where it stands. Grammars are compiled
+once per spec (an LRU); a matcher is cheap. Masks are computed for the constrained rows of a step
+only and applied to the logits before sampling: a disallowed token gets -inf, so greedy,
+seeded and top-k/p sampling all stay inside the grammar.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.structured import compile_grammar
+from engine.sequence import Sequence
+
+
+class StructuredOutputs:
+    """The engine's grammar state: one tokenizer view for llguidance, one matcher per sequence."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size  # the model's (logits' width), which may pad the tokenizer's
+        self.eos_token_ids = list(eos_token_ids)
+
+    @functools.cached_property
+    def _tokenizer(self):
+        import llguidance
+
+        return llguidance.LLTokenizer(str(self.tokenizer_file), n_vocab=self.vocab_size,
+                                      eos_token=self.eos_token_ids or None)
+
+    def start(self, seq: Sequence) -> None:
+        """Give `seq` its matcher, advanced over the output it already has; ValueError when the
+        spec does not compile or that output breaks it."""
+        import llguidance
+
+        s = seq.params.structured
+        matcher = llguidance.LLMatcher(self._tokenizer, compile_grammar(s.kind, s.spec), log_level=0)
+        if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
+            raise ValueError("the output tokens given do not follow the request's structured output "
+                             f"constraint: {matcher.get_error()}")
+        seq.matcher = matcher
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """-inf, in place, for every token a constrained row may not sample next."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        words = (vocab + 31) // 32
+        bits = np.empty((len(rows), words), dtype=np.int32)  # one bit per token, little-endian
+        for j, i in enumerate(rows):
+            raw = seqs[i].matcher.compute_bitmask()
+            bits[j] = np.frombuffer(raw, dtype=np.int32, count=words)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            allowed_t = torch.from_numpy(allowed.astype(bool)).to(logits.device)  # [rows, vocab]
+            logits[rows] = logits[rows].masked_fill(~allowed_t, float("-inf"))
+
+    @staticmethod
+    def accept(seq: Sequence, token_id: int) -> bool:
+        """Advance `seq`'s matcher by its sampled token; True when the grammar is complete (the
+        sequence stops, as it would on EOS)."""
+        matcher = seq.matcher
+        if matcher is None:
+            return False
+        matcher.consume_token(token_id)
+        return matcher.is_stopped() or matcher.is_error()
