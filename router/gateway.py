@@ -19,6 +19,7 @@ from common.errors import APIError
 from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
 from common.registry import RedisKeys
+from common.structured import compile_grammar
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
 from router.backends import BACKENDS
@@ -31,6 +32,7 @@ from router.openai_format import text_chars
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
 from router.settings import RouterSettings
+from router.tool_calls import PARSERS, tool_constraint
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
@@ -78,9 +80,14 @@ class Gateway:
     def from_settings(cls, settings: RouterSettings) -> Gateway:
         registry = CollectorRegistry()
         errors = BackgroundErrors(registry)
+        if settings.tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {settings.tool_call_parser!r}; choose from "
+                             f"{', '.join(PARSERS)}")
+        template = settings.chat_template.read_text() if settings.chat_template else None
         catalog = ModelCatalog(only=settings.model, tokenizer_path=settings.tokenizer_path,
                                model_dir=settings.model_folder_root, hash_salt=settings.hash_salt,
-                               default_block_size=settings.block_size, registry=registry)
+                               default_block_size=settings.block_size, registry=registry,
+                               chat_template=template)
         catalog.preload()
         directory = WorkerDirectory(RedisKeys(settings.namespace), settings.workers,
                                     settings.breaker_failures, settings.breaker_cooldown_s,
@@ -179,7 +186,16 @@ class Gateway:
         if isinstance(body, CompletionRequest):
             lp = body.logprobs
         try:
-            return body.sampling_options(self.settings.max_tokens_default, n_index, lp)
+            opts = body.sampling_options(self.settings.max_tokens_default, n_index, lp)
+            if isinstance(body, ChatCompletionRequest):
+                forced = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
+                if forced is not None:
+                    if opts.structured is not None:
+                        raise ValueError("tool_choice 'required' or a named function cannot be "
+                                         "combined with another structured output constraint")
+                    compile_grammar(forced.kind, forced.spec)
+                    opts.structured = forced
+            return opts
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request") from e
 

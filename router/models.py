@@ -53,7 +53,8 @@ class ModelCatalog:
 
     def __init__(self, *, only: str | None, tokenizer_path: Path | None, model_dir: Path,
                  hash_salt: str | None, default_block_size: int,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template  # --chat-template: replaces every model's own
         self.only = only  # --model: serve this name alone
         self.tokenizer_path = tokenizer_path  # --tokenizer, for `only`
         self.model_dir = model_dir
@@ -71,7 +72,13 @@ class ModelCatalog:
         """Load the `--model`'s tokenizer now, so a missing one fails at startup."""
         if self.only and (self.tokenizer_path or (self.model_dir / self.only).is_dir()):
             path = self.tokenizer_path or self.model_dir / self.only
-            self.models[self.only] = ServedModel(self.only, Tokenizer(path), tokenizer_source=str(path))
+            self.models[self.only] = ServedModel(self.only, self._tokenizer(path), tokenizer_source=str(path))
+
+    def _tokenizer(self, path: Path) -> Tokenizer:
+        tokenizer = Tokenizer(path)
+        if self.chat_template is not None:
+            tokenizer.set_chat_template(self.chat_template)
+        return tokenizer
 
     def get(self, name: str) -> ServedModel | None:
         return self.models.get(name)
@@ -138,7 +145,7 @@ class ModelCatalog:
             if not (path / "tokenizer.json").is_file():
                 continue
             try:
-                tokenizer = await asyncio.to_thread(Tokenizer, path)
+                tokenizer = await asyncio.to_thread(self._tokenizer, path)
             except Exception as e:  # noqa: BLE001 - a bad folder: try the next, then refuse
                 log.warning("model %r: tokenizer at %s failed to load: %s", name, path, e)
                 continue

@@ -26,6 +26,7 @@ from router.openai_format import (
     timing_field,
     wants_logprobs,
 )
+from router.tool_calls import ToolCalls, ToolStream
 
 
 async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None) -> Response:
@@ -67,6 +68,13 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
     return _json_response(gw, model, results, body, chat, rid, created, prompt, t_start)
 
 
+def _tool_calls(gw: Gateway, body, chat: bool) -> ToolCalls | None:
+    if not chat or not body.tools:
+        return None
+    tools = ToolCalls(body.tools, body.tool_choice, gw.settings.tool_call_parser)
+    return tools if tools.active else None
+
+
 def _token_text(model: ServedModel):
     return lambda token_id: model.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -77,10 +85,17 @@ def _json_response(gw: Gateway, model: ServedModel, results, body, chat, rid, cr
     n_out = 0
     want_lp = wants_logprobs(body, chat)
     to_logprobs = chat_logprobs if chat else completion_logprobs
+    tools = _tool_calls(gw, body, chat)
     for i, (tokens, text, finish, lps, _trace) in enumerate(results):
         n_out += len(tokens)
-        choices.append(choice(i, text, finish, chat,
-                              to_logprobs(lps, _token_text(model)) if want_lp else None))
+        c = choice(i, text, finish, chat, to_logprobs(lps, _token_text(model)) if want_lp else None)
+        if tools is not None:
+            content, calls = tools.split(text)
+            if calls:
+                c["message"] = {"role": "assistant", "content": content,
+                                "tool_calls": [call.message() for call in calls]}
+                c["finish_reason"] = "tool_calls"
+        choices.append(c)
     gw.metrics.count(200, model.name)
     timing = timing_field(results[0][4], t_start)
     trace = results[0][4]
@@ -126,6 +141,8 @@ async def _sse(gw: Gateway, served: ServedModel, first, gen, body, chat, rid, cr
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     want_lp = wants_logprobs(body, chat)
+    tools = _tool_calls(gw, body, chat)
+    tool_stream = ToolStream(tools) if tools is not None else None
     pending_lps: list[TokenLogprob] = []  # tokens whose logprobs go out with the next text chunk
     lp_offset = 0  # completions' text_offset runs on across chunks
 
@@ -166,10 +183,19 @@ async def _sse(gw: Gateway, served: ServedModel, first, gen, body, chat, rid, cr
                     finish = ev.finish_reason
                 safe = len(text_all) if finish else max(text_sent, len(text_all) - hold)
                 if safe > text_sent:
-                    yield sse_data(chunk(text_all[text_sent:safe], None))
-                    text_sent = safe
+                    piece, text_sent = text_all[text_sent:safe], safe
+                    if tool_stream is None:
+                        yield sse_data(chunk(piece, None))
+                    else:
+                        for data in _tool_chunks(chunk, tool_stream.feed(piece)):
+                            yield data
                 if finish:
                     break
+            if tool_stream is not None:
+                for data in _tool_chunks(chunk, tool_stream.finish()):
+                    yield data
+                if tool_stream.num_calls:
+                    finish = "tool_calls"
             final = chunk("", finish or "stop")
             final["tandem"] = timing_field(trace, t_start)
             yield sse_data(final)
@@ -189,3 +215,14 @@ async def _sse(gw: Gateway, served: ServedModel, first, gen, body, chat, rid, cr
     finally:
         await gen.aclose()  # client gone: closing the worker stream aborts both legs
         await slot.aclose()
+
+
+def _tool_chunks(chunk, out: tuple[str, list[dict]]):
+    """SSE frames of one step of a ToolStream: its content, then its tool-call deltas."""
+    content, deltas = out
+    if content:
+        yield sse_data(chunk(content, None))
+    if deltas:
+        frame = chunk("", None)
+        frame["choices"][0]["delta"] = {"tool_calls": deltas}
+        yield sse_data(frame)

@@ -26,6 +26,12 @@ class RouterSettings(BaseSettings):
                                    "(default: {cache_dir}/models)")
     cache_dir: Path = Field(Path.home() / ".cache" / "tandem", description="where prepared "
                             "models live ($TANDEM_CACHE_DIR)")
+    chat_template: Path | None = Field(None, description="a chat template file that replaces "
+                                       "the models' own (e.g. templates/chatml_tools.jinja "
+                                       "for tool calling with SmolLM2)")
+    tool_call_parser: str = Field("hermes", description="how tool calls are read from a model's "
+                                  "text with tool_choice auto: a name in router/tool_calls.py's "
+                                  "PARSERS (hermes)")
     block_size: int = Field(16, description="tokens per KV block of static workers that do not "
                             "report theirs (registered workers publish their own)")
     hash_salt: str | None = Field(None, description="salt of the block hashes (cache isolation); "

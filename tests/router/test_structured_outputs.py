@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import uuid
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -24,6 +25,19 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "city": {"type": "string", "maxLength": 24}}}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Invent a person. Answer in JSON."}]
+TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "chatml_tools.jinja"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 30},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                           "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "system", "content": "You are a helpful assistant."},
+       {"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +53,7 @@ def cluster(smollm2_folder, tmp_path_factory):
         procs += decodes
         # Every request disaggregated: no local prefill on the decode side.
         router = Router(smollm2_folder, ns, cache_dir=work, block_size=16,
-                        extra=["--no-conditional-disagg"])
+                        extra=["--no-conditional-disagg", "--chat-template", str(TEMPLATE)])
         procs.append(router)
         router.wait_workers(3)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -73,9 +87,12 @@ def test_json_schema_through_pd_for_20_seeded_sampled_requests(cluster):
 
 def test_json_object_choice_and_regex(cluster):
     client, _ = cluster
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
-                                         response_format={"type": "json_object"})
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name."}],
+        temperature=0, max_tokens=300, response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":  # a free-form object may be cut by max_tokens
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert out.choices[0].message.content.startswith("{")
     out = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=5,
                                          messages=[{"role": "user", "content": "Is the sky blue?"}],
                                          extra_body={"guided_choice": ["yes", "no"]})
@@ -108,3 +125,68 @@ def test_a_decode_worker_killed_mid_stream_resumes_under_the_grammar(cluster):
                     break
     assert killed is not None, "no decode worker was streaming"
     jsonschema.validate(json.loads(text), listing)
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(client, **kw) -> tuple[list[dict], str]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        finish = c.finish_reason or finish
+        for d in c.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function and d.function.name:
+                call["name"] = d.function.name
+            if d.function and d.function.arguments:
+                call["arguments"] += d.function.arguments
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+                         ids=["named", "required"])
+def test_forced_tool_choices_give_valid_calls_streamed_or_not(cluster, choice):
+    client, _ = cluster
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].finish_reason == "tool_calls"
+    calls = out.choices[0].message.tool_calls
+    _check_calls(calls)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in calls] == ["get_weather"]
+    streamed, finish = _streamed_calls(client, **kw)
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert all(c["id"] and c["id"].startswith("call_") for c in streamed)
+
+
+def test_sampled_named_tool_calls_always_match_the_schema(cluster):
+    client, _ = cluster
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=120,
+            tool_choice={"type": "function", "function": {"name": "add"}})
+        _check_calls(out.choices[0].message.tool_calls)
+
+
+def test_auto_tool_choice_answers_with_text_or_valid_calls(cluster):
+    client, _ = cluster
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto",
+                                         temperature=0, max_tokens=80)
+    msg = out.choices[0].message
+    if msg.tool_calls:
+        assert out.choices[0].finish_reason == "tool_calls"
+        for call in msg.tool_calls:
+            assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert msg.content and "<tool_call>" not in msg.content

@@ -1,0 +1,178 @@
+"""Tool calls in chat completions (OpenAI's `tools` / `tool_choice`).
+
+- `auto`: the tools are rendered into the chat template and the model's text is parsed for calls
+  in its own format by a parser from `PARSERS` (`--tool-call-parser`, as vLLM's flag; Hermes
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` first, the format Qwen2.5, Hermes and
+  our shipped ChatML template use).
+- `required` and a named function: the output is constrained by a JSON schema (structured
+  outputs), so the arguments always parse and match the function's schema; as vLLM does,
+  `required` produces a JSON array of `{name, parameters}`, a named choice the arguments object.
+- `none`: the model is told of no tools.
+
+`ToolStream` turns a stream of text into OpenAI's streamed `delta.tool_calls` (id, type and name
+first, then the arguments in pieces) and the final `finish_reason: "tool_calls"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.chat_messages import NamedToolChoice, Tool
+from common.protocol import StructuredOutput
+
+ARGUMENT_PIECE_CHARS = 16  # streamed arguments come in pieces of about this size
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{os.urandom(12).hex()}")
+
+    def message(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolCallParser(Protocol):
+    start: str  # the text that opens a call: what a stream holds back once seen
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The text without its calls, and the calls (empty when there are none)."""
+
+
+class HermesParser:
+    start = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.start not in text:
+            return text, []
+        calls = []
+        for raw in self._CALL.findall(text):
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                continue  # not a call after all: stays in the text below
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                args = obj.get("arguments", obj.get("parameters", {}))
+                calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
+        if not calls:
+            return text, []
+        return text[: text.index(self.start)].rstrip(), calls
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
+
+
+def tool_constraint(tools: list[Tool] | None, choice, parallel: bool | None) -> StructuredOutput | None:
+    """The JSON schema that `required` or a named `tool_choice` puts on the output."""
+    if not tools or choice in (None, "none", "auto"):
+        return None
+    by_name = {t.function.name: t.function for t in tools}
+    if isinstance(choice, NamedToolChoice):
+        fn = by_name.get(choice.function.name)
+        if fn is None:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return StructuredOutput(kind="json", spec=json.dumps(_parameters(fn)))
+    items = {"anyOf": [{"type": "object", "additionalProperties": False,
+                        "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
+                        "required": ["name", "parameters"]} for name, fn in by_name.items()]}
+    schema = {"type": "array", "minItems": 1, "items": items}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return StructuredOutput(kind="json", spec=json.dumps(schema))
+
+
+def _parameters(fn) -> dict:
+    return fn.parameters or {"type": "object", "properties": {}}
+
+
+class ToolCalls:
+    """How one chat request's output becomes content and tool calls."""
+
+    def __init__(self, tools: list[Tool] | None, choice, parser: str = "hermes") -> None:
+        self.mode = "off" if not tools or choice == "none" else (
+            "named" if isinstance(choice, NamedToolChoice) else (choice or "auto"))
+        self.name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        self.parser = PARSERS[parser]()
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output."""
+        if self.mode == "named":
+            return None, [ToolCall(self.name, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []  # cut by max_tokens: no call to report
+            return None, [ToolCall(i["name"], json.dumps(i["parameters"])) for i in items]
+        content, calls = self.parser.parse(text)
+        return (content or None) if calls else content, calls
+
+
+class ToolStream:
+    """Streamed deltas for one choice. A named function's arguments stream as they are generated
+    (id, type and name first); otherwise text passes through until a call can start, then is
+    held and given out as `tool_calls` deltas when the output ends."""
+
+    def __init__(self, calls: ToolCalls) -> None:
+        self.calls = calls
+        self.text = ""
+        self.sent = 0  # characters of text given out as content
+        self.num_calls = 0
+        self._named = ToolCall(calls.name, "") if calls.mode == "named" else None
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """New text; the content and the tool-call deltas that may be sent now."""
+        self.text += text
+        if self._named is not None:
+            deltas = [] if self.num_calls else [_head(0, self._named)]
+            self.num_calls = 1
+            if text:
+                deltas.append({"index": 0, "function": {"arguments": text}})
+            return "", deltas
+        if self.calls.mode == "required":
+            return "", []  # a JSON array of calls: given out whole at the end
+        start = self.calls.parser.start
+        held_from = self.text.find(start)
+        if held_from < 0:  # hold back a tail that could be the start of the tag
+            held_from = len(self.text)
+            for k in range(min(len(start) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(start[:k]):
+                    held_from = len(self.text) - k
+                    break
+        out = self.text[self.sent:held_from]
+        self.sent = max(self.sent, held_from)
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest of the content and the last tool-call deltas."""
+        if self._named is not None:
+            deltas = [] if self.num_calls else [_head(0, self._named)]
+            self.num_calls = 1
+            return "", deltas
+        content, calls = self.calls.split(self.text)
+        rest = (content or "")[self.sent:] if calls else self.text[self.sent:]
+        self.sent = len(self.text)
+        deltas = []
+        for index, call in enumerate(calls):
+            deltas.append(_head(index, call))
+            for i in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS):
+                deltas.append({"index": index,
+                               "function": {"arguments": call.arguments[i:i + ARGUMENT_PIECE_CHARS]}})
+        self.num_calls = len(calls)
+        return rest, deltas
+
+
+def _head(index: int, call: ToolCall) -> dict:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}
