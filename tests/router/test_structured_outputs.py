@@ -190,3 +190,47 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(cluster):
             assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
     else:
         assert msg.content and "<tool_call>" not in msg.content
+
+
+def test_langchain_structured_output_and_bind_tools(cluster, monkeypatch):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    client, _ = cluster
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+
+    llm = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="unused", temperature=0,
+                     max_tokens=80, max_retries=0)
+    person = llm.with_structured_output(Person, method="json_schema").invoke("Invent a person.")
+    assert isinstance(person, Person)
+    person = llm.with_structured_output(Person, method="function_calling").invoke("Invent a person.")
+    assert isinstance(person, Person)
+
+    def get_weather(city: str, unit: str) -> str:
+        """Weather in a city, in celsius or fahrenheit."""
+        return "sunny"
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    msg = llm.bind_tools([get_weather, add], tool_choice="required").invoke("What is 2 + 3?")
+    assert msg.tool_calls and all(c["name"] in ("get_weather", "add") for c in msg.tool_calls)
+    assert all(isinstance(c["args"], dict) for c in msg.tool_calls)
+
+
+def test_litellm_with_a_json_schema_and_tools(cluster, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of its price list
+    import litellm
+
+    client, _ = cluster
+    common = dict(model=f"openai/{MODEL}", api_base=str(client.base_url), api_key="unused",
+                  temperature=0, max_tokens=80)
+    out = litellm.completion(messages=MESSAGES, response_format=RESPONSE_FORMAT, **common)
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    out = litellm.completion(messages=ASK, tools=TOOLS, **{**common, "max_tokens": 120},
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    _check_calls(out.choices[0].message.tool_calls)
