@@ -64,6 +64,10 @@ Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
+LogitBias = Annotated[dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0), Finite]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
+MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
                                  pattern=REQUEST_ID_PATTERN)]
 EngineId = Annotated[str, Field(pattern=ENGINE_ID_PATTERN)]

@@ -15,8 +15,10 @@ from common.bounds import (
     MAX_STOP_CHARS,
     MAX_TOP_K,
     Finite,
+    LogitBias,
     MaxTokens,
     MinP,
+    MinTokens,
     Penalty,
     Seed,
     StopTokenIds,
@@ -45,6 +47,8 @@ class OpenAISampling(StructuredFields):
     ignore_eos: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None  # OpenAI sends the token ids as strings; parsed to ints
+    min_tokens: MinTokens | None = None  # vLLM's: no EOS, stop token or stop string before it
 
     @field_validator("stop")
     @classmethod
@@ -79,7 +83,8 @@ class OpenAISampling(StructuredFields):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, logprobs=logprobs,
-            structured=self.structured())
+            structured=self.structured(), logit_bias=self.logit_bias or None,
+            min_tokens=self.min_tokens or 0)
 
 
 def prompt_token_ids(tokenizer: Tokenizer, body) -> list[int]:

@@ -16,9 +16,11 @@ from common.bounds import (
     EngineId,
     Host,
     LeaseSeconds,
+    LogitBias,
     Logprobs,
     MaxTokens,
     MinP,
+    MinTokens,
     Penalty,
     Port,
     PromptTokenIds,
@@ -68,6 +70,8 @@ class SamplingOptions(BaseModel):
     frequency_penalty: Penalty = 0.0
     logprobs: Logprobs | None = None
     structured: StructuredOutput | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: MinTokens = 0
 
 
 class KVTransferParams(BaseModel):

@@ -20,7 +20,7 @@ class Sampler:
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        logits = self._apply_penalties(logits, seqs)
+        logits = self._apply_penalties(self._apply_biases(logits, seqs), seqs)
         greedy = [s.params.greedy for s in seqs]
         token_ids = [0] * num_rows
         if any(greedy):
@@ -68,6 +68,25 @@ class Sampler:
         """Advance `generator` past `num_samples` samples (each draws one uniform)."""
         for _ in range(num_samples):
             torch.rand(1, generator=generator, device=generator.device)
+
+    @staticmethod
+    def _apply_biases(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`logit_bias`, and -inf for EOS and stop tokens while a row is short of `min_tokens`."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logit_bias
+                or len(s.output_token_ids) < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device)
+            if len(seqs[i].output_token_ids) < p.min_tokens:
+                banned = [t for t in (*seqs[i].eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
+                logits[i, banned] = float("-inf")
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

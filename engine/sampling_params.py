@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # engine/structured_output.py
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +79,13 @@ class SamplingParams:
                f"must be at most {bounds.MAX_STOP_TOKEN_IDS} ids")
         _check(all(isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", f"must be integers in [0, {bounds.MAX_TOKEN_ID}]")
+        bias = self.logit_bias or {}
+        _check(len(bias) <= bounds.MAX_LOGIT_BIAS and all(
+            isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID and isinstance(v, int | float)
+            and math.isfinite(v) and -100.0 <= v <= 100.0 for t, v in bias.items()),
+            "logit_bias", f"must map at most {bounds.MAX_LOGIT_BIAS} token ids to biases in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +120,8 @@ def check_request(prompt: list[int], output: list[int], params: SamplingParams, 
         raise ValueError(f"{len(output)} output tokens given already reach max_tokens={params.max_tokens}")
     if any(not (0 <= t < vocab_size) for t in prompt + output):
         raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"invalid sampling parameter logit_bias: token ids must be in [0, {vocab_size})")
     if params.top_k is not None and params.top_k > vocab_size:
         raise ValueError(f"invalid sampling parameter top_k: must be at most the vocabulary "
                          f"size {vocab_size}, got {params.top_k}")

@@ -15,6 +15,8 @@ def stop_reason(seq: Sequence, token_id: int, num_new_chars: int, max_model_len:
         # The grammar is complete (its EOS was sampled, or nothing may follow).
         seq.stop_reason = token_id
         return "stop"
+    if len(seq.output_token_ids) < p.min_tokens:  # nothing but a length limit stops it yet
+        return _length(seq, p, max_model_len)
     if token_id in p.stop_token_ids:
         seq.stop_reason = token_id
         return "stop"
@@ -30,6 +32,10 @@ def stop_reason(seq: Sequence, token_id: int, num_new_chars: int, max_model_len:
             seq.text = seq.text[: best[0]]
             seq.stop_reason = best[1]
             return "stop"
+    return _length(seq, p, max_model_len)
+
+
+def _length(seq: Sequence, p, max_model_len: int) -> str | None:
     # max_tokens counts given tokens too: the client already holds them.
     if len(seq.output_token_ids) >= p.max_tokens or seq.hold_blocks:
         return "length"
