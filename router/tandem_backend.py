@@ -15,14 +15,14 @@ class TandemBackend(HTTPBackend):
 
     async def prefill(self, w, request_id, prompt, sampling) -> PrefillResponse:
         raw = await post_json(self.http, w, "/prefill", self.headers, {
-            "request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling.model_dump()},
+            "request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling.model_dump(mode="json")},
             self.prefill_timeout, raw_answer=True)
         return parse(w, PrefillResponse, raw)
 
     async def generate(self, w, request_id, prompt, sent, sampling, kv_params
                        ) -> AsyncIterator[StreamEvent]:
         body = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": list(sent),
-                "sampling": sampling.model_dump()}
+                "sampling": sampling.model_dump(mode="json")}
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
             body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)

@@ -101,6 +101,14 @@ class ToolCalls:
         self.name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         self.parser = PARSERS[parser]()
 
+    @classmethod
+    def for_request(cls, body, chat: bool, parser: str) -> ToolCalls | None:
+        """The request's tool calls, or None when it has no tools in play."""
+        if not chat or not body.tools:
+            return None
+        tools = cls(body.tools, body.tool_choice, parser)
+        return tools if tools.active else None
+
     @property
     def active(self) -> bool:
         return self.mode != "off"

@@ -46,6 +46,10 @@ class VLLMBackend(HTTPBackend):
             body["include_stop_str_in_output"] = True
         if sampling.top_k is not None:
             body["top_k"] = sampling.top_k
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
+        if sampling.min_tokens:
+            body["min_tokens"] = sampling.min_tokens
         if sampling.structured is not None:  # vLLM's own field for the same constraint
             kind, spec = sampling.structured.kind, sampling.structured.spec
             body["structured_outputs"] = {kind: orjson.loads(spec) if kind in ("json", "choice") else spec}

@@ -87,3 +87,41 @@ def test_models_retrieve(client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
+
+
+def test_streaming_n_choices_interleave_and_match_the_non_streamed_answer(client):
+    kw = dict(model=MODEL, prompt="Three stories begin:", max_tokens=12, temperature=1.0, seed=5, n=3,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    texts, finishes, indexes, usage = ["", "", ""], [None] * 3, [], None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+            indexes.append(c.index)
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert finishes == ["length"] * 3 and set(indexes) == {0, 1, 2}
+    assert usage.completion_tokens == 36 == whole.usage.completion_tokens
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, n=2, temperature=1.0, seed=1, stream=True)
+    roles = [c.choices[0].index for c in chat if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]
+
+
+def test_logprobs_with_n_choices(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=4, n=2, temperature=1.0, seed=2, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    for c in out.choices:
+        assert len(c.logprobs.content) == 4 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+
+
+def test_logit_bias_through_the_router(client):
+    texts = []
+    for token in ("65", "66"):
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=0,
+                                        logit_bias={token: 100}, extra_body={"ignore_eos": True})
+        texts.append(out.choices[0].text)
+    # Byte-level vocabulary: one byte per token, the biased one five times over.
+    assert all(len(t) == 5 and len(set(t)) == 1 for t in texts) and texts[0] != texts[1]
