@@ -99,8 +99,10 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool | int):
-        return int.__int__(value) if not isinstance(value, bool) else bool(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
