@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.protocol import MAX_GRAMMAR_CHARS, StructuredOutput
 
 
+class StructuredError(ValueError):
+    """A constraint that cannot be used; `param` names the request field it came from."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -57,42 +65,45 @@ class StructuredFields(BaseModel):
     def structured(self) -> StructuredOutput | None:
         """The request's one constraint; ValueError for two at once or a spec that does not
         compile."""
-        found: list[tuple[str, str]] = []
+        found: list[tuple[str, str, str]] = []  # (kind, spec, the field it came from)
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            found.append(("json", '{"type": "object"}'))
+            found.append(("json", '{"type": "object"}', "response_format"))
         elif rf is not None and rf.type == "json_schema":
             schema = rf.json_schema.schema_ if rf.json_schema else None
-            found.append(("json", json.dumps(schema if schema is not None else {"type": "object"})))
+            found.append(("json", json.dumps(schema if schema is not None else {"type": "object"}),
+                          "response_format"))
         so = self.structured_outputs
         if so is not None:
-            _add(found, "json", so.json_)
-            _add(found, "regex", so.regex)
-            _add(found, "choice", so.choice)
-            _add(found, "grammar", so.grammar)
+            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):
+                _add(found, kind, value, "structured_outputs")
             if so.json_object:
-                found.append(("json", '{"type": "object"}'))
-        _add(found, "json", self.guided_json)
-        _add(found, "regex", self.guided_regex)
-        _add(found, "choice", self.guided_choice)
-        _add(found, "grammar", self.guided_grammar)
+                found.append(("json", '{"type": "object"}', "structured_outputs"))
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                            ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            _add(found, kind, value, f"guided_{kind}")
         if not found:
             return None
         if len(found) > 1:
-            raise ValueError("give one structured output constraint (response_format, "
-                             "structured_outputs or one guided_* field), not several")
-        kind, spec = found[0]
-        out = StructuredOutput(kind=kind, spec=spec)
-        compile_grammar(out.kind, out.spec)
+            raise StructuredError("give one structured output constraint (response_format, "
+                                  "structured_outputs or one guided_* field), not several",
+                                  found[1][2])
+        kind, spec, param = found[0]
+        try:
+            out = StructuredOutput(kind=kind, spec=spec)
+            compile_grammar(out.kind, out.spec)
+        except ValueError as e:
+            raise StructuredError(str(e), param) from e
         return out
 
 
-def _add(found: list, kind: str, value: Any) -> None:
+def _add(found: list, kind: str, value: Any, param: str) -> None:
     if value is None:
         return
     if kind in ("json", "choice") and not isinstance(value, str):
         value = json.dumps(value)
-    found.append((kind, value))
+    found.append((kind, value, param))
 
 
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -187,7 +187,10 @@ class Gateway:
             lp = body.logprobs
         try:
             opts = body.sampling_options(self.settings.max_tokens_default, n_index, lp)
-            if isinstance(body, ChatCompletionRequest):
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request", getattr(e, "param", None)) from e
+        if isinstance(body, ChatCompletionRequest):
+            try:
                 forced = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
                 if forced is not None:
                     if opts.structured is not None:
@@ -195,9 +198,9 @@ class Gateway:
                                          "combined with another structured output constraint")
                     compile_grammar(forced.kind, forced.spec)
                     opts.structured = forced
-            return opts
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_request") from e
+            except ValueError as e:
+                raise APIError(400, str(e), "invalid_request", "tool_choice") from e
+        return opts
 
     def model_for(self, body) -> ServedModel:
         """The served model a request names: 404 for a name no worker serves (or this router

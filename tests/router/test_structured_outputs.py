@@ -100,9 +100,18 @@ def test_json_object_choice_and_regex(cluster):
     out = client.completions.create(model=MODEL, prompt="Call me at", temperature=1.0, seed=7,
                                     max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
     assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       extra_body={"guided_regex": "(unclosed"})
+    assert e.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
 
 
 def test_a_decode_worker_killed_mid_stream_resumes_under_the_grammar(cluster):
