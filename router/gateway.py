@@ -245,7 +245,12 @@ class Gateway:
     async def run_one(self, body, model: ServedModel, prompt: list[int], idx: int, rid: str,
                       client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
         """One choice's events as they come, each with the request's trace."""
-        opts = self.sampling(body, idx)
+        # A grammar compiles in the sampling options: off the event loop, so one huge schema
+        # cannot stall every other request (compiles are cached, so only the first one costs).
+        constrained = body.response_format or body.structured_outputs or body.guided_json \
+            or body.guided_regex or body.guided_choice or body.guided_grammar \
+            or getattr(body, "tools", None)
+        opts = await asyncio.to_thread(self.sampling, body, idx) if constrained else self.sampling(body, idx)
         plan = await self.route(model, prompt)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
