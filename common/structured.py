@@ -62,6 +62,13 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = Field(None, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
 
+    def constrained(self) -> bool:
+        """Whether any constraint field is given (`structured()` says which, and checks it)."""
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or any(
+            v is not None for v in (self.structured_outputs, self.guided_json, self.guided_regex,
+                                    self.guided_choice, self.guided_grammar))
+
     def structured(self) -> StructuredOutput | None:
         """The request's one constraint; ValueError for two at once or a spec that does not
         compile."""

@@ -86,8 +86,7 @@ class Gateway:
         template = settings.chat_template.read_text() if settings.chat_template else None
         catalog = ModelCatalog(only=settings.model, tokenizer_path=settings.tokenizer_path,
                                model_dir=settings.model_folder_root, hash_salt=settings.hash_salt,
-                               default_block_size=settings.block_size, registry=registry,
-                               chat_template=template)
+                               registry=registry, chat_template=template)
         catalog.preload()
         directory = WorkerDirectory(RedisKeys(settings.namespace), settings.workers,
                                     settings.breaker_failures, settings.breaker_cooldown_s,
@@ -247,9 +246,7 @@ class Gateway:
         """One choice's events as they come, each with the request's trace."""
         # A grammar compiles in the sampling options: off the event loop, so one huge schema
         # cannot stall every other request (compiles are cached, so only the first one costs).
-        constrained = body.response_format or body.structured_outputs or body.guided_json \
-            or body.guided_regex or body.guided_choice or body.guided_grammar \
-            or getattr(body, "tools", None)
+        constrained = body.constrained() or getattr(body, "tools", None)
         opts = await asyncio.to_thread(self.sampling, body, idx) if constrained else self.sampling(body, idx)
         plan = await self.route(model, prompt)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)

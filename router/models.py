@@ -45,6 +45,7 @@ class ServedModel:
 
     @property
     def block_size(self) -> int:
+        """Its workers' block size (a model is routed only once a worker gave it an identity)."""
         return self.identity[1] if self.identity else 16
 
 
@@ -52,14 +53,13 @@ class ModelCatalog:
     """Served names -> `ServedModel`, kept in step with the live workers by `reconcile`."""
 
     def __init__(self, *, only: str | None, tokenizer_path: Path | None, model_dir: Path,
-                 hash_salt: str | None, default_block_size: int,
-                 registry: CollectorRegistry | None = None, chat_template: str | None = None) -> None:
+                 hash_salt: str | None, registry: CollectorRegistry | None = None,
+                 chat_template: str | None = None) -> None:
         self.chat_template = chat_template  # --chat-template: replaces every model's own
         self.only = only  # --model: serve this name alone
-        self.tokenizer_path = tokenizer_path  # --tokenizer, for `only`
+        self.tokenizer_path = tokenizer_path  # --tokenizer: `only`'s, or any model's fallback
         self.model_dir = model_dir
         self.hash_salt = hash_salt
-        self.default_block_size = default_block_size
         self.models: dict[str, ServedModel] = {}
         self._refused_logged: set[tuple[str, str, str]] = set()
         self._tokenizer_failures: dict[str, float] = {}  # name -> when to try again
@@ -90,8 +90,8 @@ class ModelCatalog:
 
     def hasher(self, identity: Identity) -> BlockHasher:
         digest, block_size = identity
-        # Workers that publish no digest (vLLM, older ones) are hashed under their name's seed:
-        # those hashes only feed the router's own approximate index.
+        # Workers that publish no digest (vLLM, older ones) get the seed of an empty digest: their
+        # hashes only feed their model's own approximate index, so no two models share entries.
         return BlockHasher(digest, block_size, self.hash_salt)
 
     async def reconcile(self, workers: Iterable[WorkerInfo]) -> None:

@@ -59,8 +59,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(server: DrainingServer) -> None:
-    """Serve until stopped. Signals that arrive while the app is still loading (a worker loads its
-    model before uvicorn takes the signals over) end the process at once, with status 0."""
+    """Serve until stopped. A signal that arrives before uvicorn takes the signals over (while
+    the app is imported and built) ends the process at once, with status 0; from then on each
+    goes to `DrainingServer.handle_exit`, and after the server stops they are ignored."""
     for sig in SIGNALS:
         signal.signal(sig, lambda *_: os._exit(0) if not server.started else None)
     server.run()

@@ -82,6 +82,9 @@ def test_request_fields_become_one_constraint():
         return StructuredFields(**fields).structured()
 
     assert of() is None and of(response_format={"type": "text"}) is None
+    assert not StructuredFields(response_format={"type": "text"}).constrained()
+    assert StructuredFields(guided_regex="a+").constrained()
+    assert StructuredFields(response_format={"type": "json_object"}).constrained()
     assert of(response_format={"type": "json_object"}) == StructuredOutput(kind="json", spec='{"type": "object"}')
     got = of(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
     assert got.kind == "json" and json.loads(got.spec) == SCHEMA

@@ -19,7 +19,7 @@ from router.worker_info import WorkerInfo
 
 def catalog(tiny_folder, only=None, salt=None) -> ModelCatalog:
     return ModelCatalog(only=only, tokenizer_path=None, model_dir=tiny_folder.parent, hash_salt=salt,
-                        default_block_size=16, registry=CollectorRegistry())
+                        registry=CollectorRegistry())
 
 
 def worker(wid, digest, names=("tiny-random",), started=1.0, block_size=4, salt=None, folder=None):
@@ -77,7 +77,7 @@ def test_a_pinned_router_ignores_other_models_and_a_missing_tokenizer_refuses(ti
     asyncio.run(c.reconcile([other]))
     assert other.accepted == frozenset() and c.get("other") is None
     c2 = ModelCatalog(only=None, tokenizer_path=None, model_dir=tmp_path, hash_salt=None,
-                      default_block_size=16, registry=CollectorRegistry())
+                      registry=CollectorRegistry())
     lost = worker("l", "cccccccccccccccc", names=("nowhere",), folder=tmp_path / "missing")
     asyncio.run(c2.reconcile([lost]))
     assert lost.accepted == frozenset() and refused(c2, "tokenizer") == 1
