@@ -19,7 +19,7 @@ from common.errors import APIError
 from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
 from common.registry import RedisKeys
-from common.structured import compile_grammar
+from common.tool_calls import PARSERS, constrain_tools
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
 from router.backends import BACKENDS
@@ -32,7 +32,6 @@ from router.openai_format import text_chars
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
 from router.settings import RouterSettings
-from router.tool_calls import PARSERS, tool_constraint
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
@@ -190,13 +189,7 @@ class Gateway:
             raise APIError(400, str(e), "invalid_request", getattr(e, "param", None)) from e
         if isinstance(body, ChatCompletionRequest):
             try:
-                forced = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
-                if forced is not None:
-                    if opts.structured is not None:
-                        raise ValueError("tool_choice 'required' or a named function cannot be "
-                                         "combined with another structured output constraint")
-                    compile_grammar(forced.kind, forced.spec)
-                    opts.structured = forced
+                return constrain_tools(body, opts)
             except ValueError as e:
                 raise APIError(400, str(e), "invalid_request", "tool_choice") from e
         return opts

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from common.openai_response import choice, envelope, usage
 from common.protocol import TokenLogprob
+from common.tool_calls import ToolCalls
 from router.gateway import Gateway
 from router.models import ServedModel
 from router.openai_format import (
@@ -24,7 +25,6 @@ from router.openai_format import (
     wants_logprobs,
 )
 from router.sse import sse
-from router.tool_calls import ToolCalls
 
 
 async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None) -> Response:

@@ -30,7 +30,7 @@ class RouterSettings(BaseSettings):
                                        "the models' own (e.g. templates/chatml_tools.jinja "
                                        "for tool calling with SmolLM2)")
     tool_call_parser: str = Field("hermes", description="how tool calls are read from a model's "
-                                  "text with tool_choice auto: a name in router/tool_calls.py's "
+                                  "text with tool_choice auto: a name in common/tool_calls.py's "
                                   "PARSERS (hermes)")
     block_size: int = Field(16, description="tokens per KV block of static workers that do not "
                             "report theirs (registered workers publish their own)")

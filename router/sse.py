@@ -14,6 +14,7 @@ from common.errors import APIError
 from common.openai_response import chunk_choice, envelope, usage
 from common.protocol import TokenLogprob
 from common.streams import prepend
+from common.tool_calls import ToolCalls, ToolStream
 from router.gateway import Gateway
 from router.models import ServedModel
 from router.openai_format import (
@@ -24,7 +25,6 @@ from router.openai_format import (
     timing_field,
     wants_logprobs,
 )
-from router.tool_calls import ToolCalls, ToolStream
 
 
 class ChoiceStream:

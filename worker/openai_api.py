@@ -31,6 +31,7 @@ from common.openai_request import OpenAISampling, prompt_token_ids
 from common.openai_response import choice, chunk_choice, envelope, usage
 from common.protocol import GenerateRequest, KVTransferParams
 from common.streams import prepend
+from common.tool_calls import ToolCalls, ToolStream, constrain_tools
 from engine.engine_client import EngineDeadError
 from engine.sampling_params import SamplingParams
 from worker.errors import APIError
@@ -64,9 +65,15 @@ class ChatBody(_OpenAIBase, ChatFields):
 
 def _params(body: _OpenAIBase) -> SamplingParams:
     try:
-        return SamplingParams.from_options(body.sampling_options(default_max_tokens=16))
+        opts = body.sampling_options(default_max_tokens=16)
     except ValueError as e:
-        raise APIError(400, str(e), "invalid_sampling_params") from e
+        raise APIError(400, str(e), "invalid_sampling_params", getattr(e, "param", None)) from e
+    if isinstance(body, ChatBody):
+        try:
+            opts = constrain_tools(body, opts)
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_sampling_params", "tool_choice") from e
+    return SamplingParams.from_options(opts)
 
 
 def openai_router(state: WorkerState) -> APIRouter:
@@ -86,6 +93,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         model = body.model or names[0]
         ids = prompt_ids(body)
         params = _params(body)
+        tools = ToolCalls.for_request(body, chat, "hermes")
         rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         if not is_request_id(rid):
             raise APIError(400, "X-Request-Id must be 1-256 characters of [A-Za-z0-9._:-]",
@@ -117,12 +125,22 @@ def openai_router(state: WorkerState) -> APIRouter:
             async def sse():
                 sent = ""  # cumulative text: deltas never split a multi-byte character
                 num_output, cached = 0, None
+                calls = ToolStream(tools) if tools is not None else None
                 try:
                     async for out, _ in prepend([first], items):
                         delta, sent = out.text[len(sent):], out.text
                         num_output, cached = len(out.token_ids), out.num_cached_tokens
-                        yield _sse_chunk(rid, created, model, delta,
-                                         out.new_token_ids, out.finish_reason, chat)
+                        if calls is None:
+                            yield _sse_chunk(rid, created, model, delta,
+                                             out.new_token_ids, out.finish_reason, chat)
+                            continue
+                        for frame in _tool_frames(rid, created, model, calls.feed(delta), out.new_token_ids):
+                            yield frame
+                        if out.finish_reason is not None:
+                            for frame in _tool_frames(rid, created, model, calls.finish(), []):
+                                yield frame
+                            finish = "tool_calls" if calls.num_calls else out.finish_reason
+                            yield _sse_chunk(rid, created, model, "", [], finish, chat)
                 except EngineDeadError as e:
                     # Headers are sent: end the stream with an error event, not a cut connection.
                     yield _sse_json({"error": {"message": str(e), "type": "server_error",
@@ -137,9 +155,15 @@ def openai_router(state: WorkerState) -> APIRouter:
         last = None
         async for last, _ in items:  # noqa: B007
             pass
-        return JSONResponse(_body(rid, created, model, last.text, last.token_ids,
-                                  last.finish_reason, len(ids), len(last.token_ids), chat, None,
-                                  last.num_cached_tokens))
+        body_out = _body(rid, created, model, last.text, last.token_ids, last.finish_reason,
+                         len(ids), len(last.token_ids), chat, None, last.num_cached_tokens)
+        content, calls = tools.split(last.text) if tools is not None else (last.text, [])
+        if calls:
+            c = body_out["choices"][0]
+            c["message"] = {"role": "assistant", "content": content,
+                            "tool_calls": [call.message() for call in calls]}
+            c["finish_reason"] = "tool_calls"
+        return JSONResponse(body_out)
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -190,3 +214,14 @@ def _sse_chunk(rid, created, model, delta, token_ids, finish, chat) -> bytes:
     c = chunk_choice(delta, finish, chat)
     c["token_ids"] = token_ids
     return _sse_json(envelope(rid, chat, created, model, [c], stream=True))
+
+
+def _tool_frames(rid, created, model, out: tuple[str, list[dict]], token_ids: list[int]):
+    """SSE frames of one ToolStream step: its content, then its tool-call deltas."""
+    content, deltas = out
+    if content:
+        yield _sse_chunk(rid, created, model, content, token_ids, None, True)
+    if deltas:
+        c = chunk_choice("", None, True)
+        c["delta"] = {"tool_calls": deltas}
+        yield _sse_json(envelope(rid, True, created, model, [c], stream=True))

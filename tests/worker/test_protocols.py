@@ -206,3 +206,38 @@ def test_smollm2_prefill_decode_golden(smollm2_folder, workdir):
     finally:
         p.close()
         d.close()
+
+
+def test_the_workers_openai_endpoint_answers_tool_calls_and_schemas(open_pd):
+    """The decode worker's own OpenAI endpoint (what a vLLM-style router sends to): a named tool
+    choice and a required one give valid calls, streamed or not, and response_format holds."""
+    _, d = open_pd
+    params = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    base = {"model": "tiny-random", "messages": [{"role": "user", "content": "pick one"}],
+            "tools": tools, "temperature": 0, "max_tokens": 64}
+    for choice in ({"type": "function", "function": {"name": "pick"}}, "required"):
+        out = httpx.post(f"{d.url}/v1/chat/completions", json={**base, "tool_choice": choice}, timeout=60).json()
+        c = out["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        call = c["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "pick" and 0 <= json.loads(call["function"]["arguments"])["n"] <= 99
+        streamed, finish = {"name": "", "arguments": ""}, None
+        with httpx.stream("POST", f"{d.url}/v1/chat/completions", timeout=60,
+                          json={**base, "tool_choice": choice, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                ch = json.loads(line[6:])["choices"][0]
+                finish = ch.get("finish_reason") or finish
+                for delta in ch.get("delta", {}).get("tool_calls", []):
+                    streamed["name"] += delta.get("function", {}).get("name", "")
+                    streamed["arguments"] += delta.get("function", {}).get("arguments", "")
+        assert finish == "tool_calls"
+        assert (streamed["name"], json.loads(streamed["arguments"])) == (
+            "pick", json.loads(call["function"]["arguments"]))
+    out = httpx.post(f"{d.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 24,
+        "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": params}}})
+    assert 0 <= json.loads(out.json()["choices"][0]["message"]["content"])["n"] <= 99

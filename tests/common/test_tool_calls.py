@@ -1,4 +1,4 @@
-"""router/tool_calls.py: the Hermes parser, the forced-choice schemas and the streamed deltas
+"""common/tool_calls.py: the Hermes parser, the forced-choice schemas and the streamed deltas
 (which must reassemble into the non-streamed calls, whatever the chunking)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from common.chat_messages import NamedToolChoice, Tool
 from common.structured import compile_grammar
-from router.tool_calls import ToolCalls, ToolStream, tool_constraint
+from common.tool_calls import ToolCalls, ToolStream, tool_constraint
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),

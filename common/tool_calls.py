@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.chat_messages import NamedToolChoice, Tool
-from common.protocol import StructuredOutput
+from common.protocol import SamplingOptions, StructuredOutput
+from common.structured import compile_grammar
 
 ARGUMENT_PIECE_CHARS = 16  # streamed arguments come in pieces of about this size
 
@@ -86,6 +87,20 @@ def tool_constraint(tools: list[Tool] | None, choice, parallel: bool | None) -> 
     if parallel is False:
         schema["maxItems"] = 1
     return StructuredOutput(kind="json", spec=json.dumps(schema))
+
+
+def constrain_tools(body, opts: SamplingOptions) -> SamplingOptions:
+    """A chat body's `required` or named tool choice as the output's constraint (the router's and
+    the workers' endpoints); ValueError when it cannot be one."""
+    forced = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if forced is None:
+        return opts
+    if opts.structured is not None:
+        raise ValueError("tool_choice 'required' or a named function cannot be combined with "
+                         "another structured output constraint")
+    compile_grammar(forced.kind, forced.spec)
+    opts.structured = forced
+    return opts
 
 
 def _parameters(fn) -> dict:
