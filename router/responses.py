@@ -47,8 +47,13 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
                     for i in range(body.n)]
             for gen in gens:  # closed with the stream, or here if a choice fails to start
                 admitted.push_async_callback(gen.aclose)
-            # Errors before the first token are HTTP errors (the headers are not sent yet).
-            firsts = await asyncio.gather(*[anext(gen, None) for gen in gens])
+            # Errors before the first token are HTTP errors (the headers are not sent yet). Every
+            # choice's start is awaited before one error is raised: a generator still running
+            # cannot be closed.
+            firsts = await asyncio.gather(*[anext(gen, None) for gen in gens], return_exceptions=True)
+            for first in firsts:
+                if isinstance(first, BaseException):
+                    raise first
             # The stream holds the admission slot (and its worker streams) until it ends.
             slot = admitted.pop_all()
             return StreamingResponse(sse(gw, model, list(zip(firsts, gens, strict=True)), body, chat,

@@ -125,3 +125,11 @@ def test_logit_bias_through_the_router(client):
         texts.append(out.choices[0].text)
     # Byte-level vocabulary: one byte per token, the biased one five times over.
     assert all(len(t) == 5 and len(set(t)) == 1 for t in texts) and texts[0] != texts[1]
+
+
+def test_a_refused_streaming_n_request_is_a_400_not_a_500(client):
+    """Fuzzing found it: every choice failing at once left generators running while they closed."""
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=6, stream=True,
+                                  extra_body={"guided_regex": "a+", "guided_choice": ["b"]})
+    assert client.models.retrieve(MODEL).id == MODEL  # and the router is fine
