@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from engine.tiny import build_tiny_random  # noqa: E402
-from tandem.cluster import REDIS_URL, Router, Worker  # noqa: E402
+from tandem.cluster import REDIS_URL, two_by_two  # noqa: E402
 from tandem.streaming_load import StreamingLoad  # noqa: E402
 
 
@@ -49,15 +49,8 @@ def main() -> int:
     folder = build_tiny_random(workdir / "models" / "tiny-random")
     ns = f"bench-roll-{uuid.uuid4().hex[:6]}"
     r = redis.Redis.from_url(REDIS_URL)
-    workers: list[Worker] = []
-    router = None
     rounds = []
-    try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers.append(Worker(role, str(folder), cache_dir=workdir, namespace=ns,
-                                  extra=["--drain-timeout-s", "10", "--lease-seconds", "5"]))
-        router = Router(folder, ns, cache_dir=workdir)
-        router.wait_workers(4)
+    with two_by_two(folder, workdir, ns) as (router, workers):
         load = StreamingLoad(router.url, "tiny-random", num_clients=args.clients).start()
         time.sleep(2.0)
         t0 = time.monotonic()
@@ -79,10 +72,6 @@ def main() -> int:
             rounds.append(row)
             print(json.dumps(row), flush=True)
         result = load.stop()
-    finally:
-        for p in [router, *workers]:
-            if p is not None:
-                p.close()
     rss = [row["router_rss_mib"] for row in rounds]
     out = {"rounds": rounds, "restarts": args.rounds * len(workers),
            "new_port": not args.same_port, "answers_ok": result["ok"],

@@ -171,6 +171,25 @@ def pd_pair(model: str, workdir: Path, namespace: str, extra: list[str] = ()) ->
         p.close()
 
 
+@contextmanager
+def two_by_two(folder: Path, workdir: Path, namespace: str) -> Iterator[tuple[Router, list[Worker]]]:
+    """Two prefill and two decode workers (10 s drain, 5 s leases) and a router in front, all
+    stopped on exit: the cluster the lifecycle tests and the rolling-restart soak restart."""
+    workers: list[Worker] = []
+    router = None
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            workers.append(Worker(role, str(folder), cache_dir=workdir, namespace=namespace,
+                                  extra=["--drain-timeout-s", "10", "--lease-seconds", "5"]))
+        router = Router(folder, namespace, cache_dir=workdir)
+        router.wait_workers(4)
+        yield router, workers
+    finally:
+        for p in [router, *workers]:
+            if p is not None:
+                p.close()
+
+
 def expected_tokens(reference, prompt: list[int], sampling: dict) -> list[int]:
     """What the one-process reference engine generates for `prompt`."""
     from engine import SamplingParams

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
+from tandem.cluster import REDIS_URL, ROOT, TOKEN, free_port, two_by_two
 from tandem.streaming_load import StreamingLoad
 
 TINY = "tiny-random"
@@ -44,19 +44,8 @@ def _wait_until(check, timeout: float, what: str) -> None:
 @pytest.fixture
 def cluster_2p2d(tiny_folder, tmp_path):
     ns = f"roll-{uuid.uuid4().hex[:8]}"
-    workers: list[Worker] = []
-    router = None
-    try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers.append(Worker(role, str(tiny_folder), cache_dir=tmp_path, namespace=ns,
-                                  extra=["--drain-timeout-s", "10", "--lease-seconds", "5"]))
-        router = Router(tiny_folder, ns, cache_dir=tmp_path)
-        router.wait_workers(4)
+    with two_by_two(tiny_folder, tmp_path, ns) as (router, workers):
         yield router, workers, ns
-    finally:
-        for p in [router, *workers]:
-            if p is not None:
-                p.close()
 
 
 def test_sigterm_deregisters_at_once_and_exits_zero(cluster_2p2d):
