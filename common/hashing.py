@@ -98,3 +98,15 @@ def hash_member(block_hash: int) -> str:
     """A block hash as a Redis set member: the signed 64-bit decimal string (Redis stores
     integer-like strings compactly; the router and workers must use this same form)."""
     return str(block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash)
+
+
+def member_hash(member: bytes | str) -> int | None:
+    """The block hash a set member stands for (`hash_member`'s inverse); None if malformed."""
+    text = member.decode(errors="replace") if isinstance(member, bytes) else member
+    try:
+        value = int(text) if len(text) <= 20 else None
+    except ValueError:
+        return None
+    if value is None or not -(1 << 63) <= value < (1 << 63):
+        return None
+    return value + (1 << 64) if value < 0 else value

@@ -54,3 +54,14 @@ def descriptor_arrays(
     src[:, 2] = src_device_id
     dst[:, 2] = dst_device_id
     return src, dst
+
+
+def block_descriptors(layout: KVLayout, base: int, num_blocks: int, device_id: int = 0) -> np.ndarray:
+    """Nx3 (address, length, device), one row per block of a region: a prepared list that
+    pulls index by block id (NIXL merges contiguous rows of a pull itself)."""
+    block = layout.bytes_per_block
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block)
+    descs[:, 1] = block
+    descs[:, 2] = device_id
+    return descs

@@ -1,6 +1,12 @@
 """NIXL transport: the whole KV cache is registered once; the receiver READs descriptor lists
-straight out of the sender's registered region, with a notification that carries the request
-id. UCX underneath picks RDMA, shared memory (cma) or TCP by itself."""
+straight out of the sender's registered region, then sends a notification that carries the
+request id. UCX underneath picks RDMA, shared memory (cma) or TCP by itself.
+
+A pull's fixed cost (bench/kv_transfer.py): descriptor lists are prepared once per peer, one
+per block (a pull names indices; NIXL merges contiguous ones); the notification rides on the
+READ; the sender's agent answers from its waiting progress thread (kv_transfer/nixl_agent.py);
+the receiver polls without sleeping for its first `SPIN_S`.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +14,20 @@ import asyncio
 import base64
 import binascii
 import ctypes
-import importlib
 import logging
 import os
-import re
 import time
-from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from common.background import BackgroundErrors
-from kv_transfer.descriptors import coalesce, descriptor_arrays
+from kv_transfer.descriptors import block_descriptors, coalesce, descriptor_arrays
 from kv_transfer.layout import KVLayout
-from kv_transfer.netdev import ucx_net_devices
+from kv_transfer.netdev import ucx_net_devices, ucx_read_transport
+from kv_transfer.nixl_agent import import_nixl, make_agent, nixl_available  # noqa: F401 (re-exported)
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -33,8 +38,10 @@ from kv_transfer.transport import (
 
 log = logging.getLogger(__name__)
 
-_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _NOTIF_PREFIX = b"tandem:done:"
+SPIN_S = 0.002  # poll a running READ back to back this long, then every poll_interval_s
+BURST_S = 0.0002  # the longest one poll holds the event loop
+MAX_PREPPED_BLOCKS = 1 << 20  # a peer with more blocks is read with per-pull descriptor lists
 
 
 class NixlParams(BaseModel):
@@ -44,38 +51,6 @@ class NixlParams(BaseModel):
     base_address: int = Field(ge=0, lt=2**64)
     mem_type: Literal["DRAM", "VRAM"]
     device_id: int = Field(0, ge=0, le=1024)
-
-
-def _import_nixl():
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "nixl_agent"):
-            return mod
-    return None
-
-
-def nixl_available() -> bool:
-    return _import_nixl() is not None
-
-
-def ucx_read_transport(log_file: str | Path) -> str | None:
-    """The UCX transport chosen for remote reads, from a UCX_PROTO_INFO log (e.g. 'cma', 'tcp')."""
-    paths = sorted(Path(log_file).parent.glob(Path(log_file).name + "*"))
-    found = None
-    for path in paths:
-        lines = path.read_text(errors="replace").splitlines()
-        for i, line in enumerate(lines):
-            if "remote memory read by ucp_get" not in line:
-                continue
-            for row in lines[i + 1 : i + 12]:
-                m = re.search(r"\|\s*\S+\s*\|\s*[^|]+\|\s*([A-Za-z0-9_]+)/", row)
-                if m:
-                    found = m.group(1)
-                    break
-    return found
 
 
 class NixlTransport:
@@ -88,13 +63,15 @@ class NixlTransport:
         self._agent = None
         self._reg = None
         self._peers: dict[str, str] = {}  # engine id -> NIXL agent name
+        self._prepped: dict[str, object] = {}  # engine id -> its prepared remote descriptor list
+        self._local_prepped = None  # this cache's, one descriptor per block
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
         self.errors = BackgroundErrors()  # the connector hands its own in (one registry)
 
     async def start(self) -> None:
-        nixl = _import_nixl()
+        nixl = import_nixl()
         if nixl is None:
             raise TransferError("NIXL is not installed (pip install nixl-cu12)")
         # UCX's TCP transport listens on every interface it may use: keep it to the worker's own
@@ -103,24 +80,27 @@ class NixlTransport:
         if devices and "UCX_NET_DEVICES" not in os.environ:
             os.environ["UCX_NET_DEVICES"] = devices
             log.info("nixl: UCX limited to %s", devices)
-        # No progress thread: NIXL's spins a core at 100% even when idle. Progress is made by our
-        # own polling instead (the receiver while a pull runs, the sender's lease watcher while
-        # it has exports out).
-        cfg = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self._agent = nixl.nixl_agent(self.config.engine_id, cfg)
+        self._agent = make_agent(nixl, self.config.engine_id)  # kv_transfer/nixl_agent.py
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend")
         self._reg = self._agent.register_memory(self.kv_cache)
+        if self.layout.num_blocks <= MAX_PREPPED_BLOCKS:
+            self._local_prepped = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", block_descriptors(self.layout, self.kv_cache.data_ptr(), self.layout.num_blocks,
+                                  self._device_id), self._mem_type)
         log.info("nixl: registered %.1f MiB of %s KV cache as agent %s",
                  self.layout.region_bytes / 2**20, self._mem_type, self.config.engine_id)
 
     async def close(self) -> None:
         if self._agent is not None:
-            for agent_name in self._peers.values():
+            for engine_id in list(self._peers):
                 try:
-                    self._agent.remove_remote_agent(agent_name)
+                    self.forget_peer(engine_id)
                 except Exception:  # noqa: BLE001 - peer may be gone already
                     pass
+            if self._local_prepped is not None:
+                self._agent.release_dlist_handle(self._local_prepped)
+                self._local_prepped = None
             if self._reg is not None:
                 self._agent.deregister_memory(self._reg)
             self._agent = None
@@ -174,9 +154,43 @@ class NixlTransport:
         return name
 
     def forget_peer(self, engine_id: str) -> None:
+        prepped = self._prepped.pop(engine_id, None)
         name = self._peers.pop(engine_id, None)
-        if name is not None and self._agent is not None:
+        if self._agent is None:
+            return
+        if prepped is not None:
+            try:
+                self._agent.release_dlist_handle(prepped)
+            except Exception:  # noqa: BLE001 - the peer may be half gone
+                pass
+        if name is not None:
             self._agent.remove_remote_agent(name)
+
+    def _remote_prepped(self, peer: PeerMetadata, params: NixlParams, agent_name: str):
+        prepped = self._prepped.get(peer.engine_id)
+        if prepped is None and self._local_prepped is not None \
+                and peer.layout.num_blocks <= MAX_PREPPED_BLOCKS:
+            prepped = self._agent.prep_xfer_dlist(
+                agent_name, block_descriptors(self.layout, params.base_address, peer.layout.num_blocks,
+                                  params.device_id), params.mem_type)
+            self._prepped[peer.engine_id] = prepped
+        return prepped
+
+    def _start_read(self, peer: PeerMetadata, params: NixlParams, agent_name: str,
+                    remote_block_ids: list[int], local_block_ids: list[int], notif: bytes):
+        """(handle, descriptors) of a READ of the blocks, prepared lists where there are."""
+        prepped = self._remote_prepped(peer, params, agent_name)
+        if prepped is not None:
+            handle = self._agent.make_prepped_xfer(
+                "READ", self._local_prepped, np.asarray(local_block_ids, dtype=np.int32),
+                prepped, np.asarray(remote_block_ids, dtype=np.int32), notif)
+            return handle, len(coalesce(remote_block_ids, local_block_ids))
+        runs = coalesce(remote_block_ids, local_block_ids)
+        src, dst = descriptor_arrays(self.layout, params.base_address, self.kv_cache.data_ptr(),
+                                     runs, params.device_id, self._device_id)
+        remote = self._agent.get_xfer_descs(src, params.mem_type)
+        local = self._agent.get_xfer_descs(dst, self._mem_type)
+        return self._agent.initialize_xfer("READ", local, remote, agent_name, notif), len(runs)
 
     async def pull(
         self,
@@ -188,25 +202,29 @@ class NixlTransport:
         assert self._agent is not None, "start() first"
         t0 = time.perf_counter()
         params = self._params(peer)
-        runs = coalesce(remote_block_ids, local_block_ids)
-        src, dst = descriptor_arrays(self.layout, params.base_address, self.kv_cache.data_ptr(),
-                                     runs, params.device_id, self._device_id)
-        notif = _NOTIF_PREFIX + request_id.encode()
         handle = None
         try:
             agent_name = self._agent_for(peer)
-            remote = self._agent.get_xfer_descs(src, params.mem_type)
-            local = self._agent.get_xfer_descs(dst, self._mem_type)
-            handle = self._agent.initialize_xfer("READ", local, remote, agent_name, notif)
+            notif = _NOTIF_PREFIX + request_id.encode()  # delivered once the READ is done
+            handle, num_descriptors = self._start_read(peer, params, agent_name, remote_block_ids,
+                                                       local_block_ids, notif)
             state = self._agent.transfer(handle)
+            spin_until = time.monotonic() + SPIN_S
             deadline = time.monotonic() + self.config.pull_timeout_s
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TransferTimeout(
                         f"NIXL read of {len(remote_block_ids)} blocks from {peer.engine_id} "
                         f"timed out after {self.config.pull_timeout_s} s")
-                await asyncio.sleep(self.config.poll_interval_s)
+                await asyncio.sleep(0 if now < spin_until else self.config.poll_interval_s)
+                # Each check drives UCX a little (a few descriptors of a scattered read): a
+                # burst of checks per turn of the event loop, not one, or a 256-block pull
+                # pays a loop turn per descriptor.
+                burst_until = time.monotonic() + BURST_S
                 state = self._agent.check_xfer_state(handle)
+                while state == "PROC" and time.monotonic() < burst_until:
+                    state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"NIXL read from {peer.engine_id} failed (state {state})")
         except TransferError:
@@ -226,7 +244,7 @@ class NixlTransport:
             num_blocks=len(remote_block_ids),
             num_bytes=len(remote_block_ids) * self.layout.bytes_per_block,
             seconds=time.perf_counter() - t0,
-            num_descriptors=len(src),
+            num_descriptors=num_descriptors,
             transport_label=self._label,
         )
 

@@ -1,15 +1,11 @@
-"""TCP fallback transport for machines without NIXL: asyncio streams, length-prefixed JSON
-headers (each validated by its schema, `kv_transfer/tcp_wire.py`), block bytes in checksummed
-chunks.
+"""TCP fallback transport for machines without NIXL: sockets on the event loop
+(kv_transfer/socket_stream.py), length-prefixed JSON headers validated by their schemas
+(kv_transfer/tcp_wire.py: pull, answer, done, notify), block bytes in chunks of
+[8-byte xxh3_64 LE][bytes].
 
-    request  (receiver -> sender): {"op": "pull", "request_id", "block_ids", "token", "fp8"}
-    response (sender -> receiver): {"ok": true, "num_bytes", "chunk_bytes"} then chunks of
-                                   [8-byte xxh3_64 LE][bytes]; or {"ok": false, "error"}
-    done     (receiver -> sender): {"op": "done", "request_id"}
-    notify   (receiver -> sender): {"op": "notify", "request_id", "token"}  (nothing to pull)
-
-With `fp8` the payload is the e4m3 bytes of the staged blocks followed by their float32 scales
-(one per (block, layer, K/V) run), packed by `kernels.fp8_pack` (a CUDA kernel on GPU caches).
+On a CPU cache the payload is the blocks themselves, sent from and received into the caches
+without staging (kv_transfer/payload.py). With `fp8` it is the e4m3 bytes of the staged blocks
+then their float32 scales (one per (block, layer, K/V) run), from `kernels.fp8_pack`.
 
 Unlike one-sided NIXL reads the sender sees each request, so it checks the token and that the
 asked-for blocks are the ones leased to that request id.
@@ -19,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 import numpy as np
@@ -29,19 +26,10 @@ from pydantic import ValidationError
 from common.auth import secrets_equal
 from common.background import BackgroundErrors
 from kv_transfer import kernels
+from kv_transfer import tcp_wire as wire
 from kv_transfer.layout import KVLayout
-from kv_transfer.tcp_wire import (
-    ANSWER,
-    CHECKSUM,
-    REQUEST,
-    DoneHeader,
-    NotifyHeader,
-    PullHeader,
-    Refused,
-    TcpParams,
-    read_header,
-    write_header,
-)
+from kv_transfer.payload import Regions, block_views
+from kv_transfer.socket_stream import SocketStream
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -59,7 +47,8 @@ class TcpTransport:
         self.kv_cache = kv_cache
         self.layout = layout
         self.config = config
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task | None = None
         self._port: int | None = None
         self._done: list[str] = []
         self._check = None
@@ -75,18 +64,40 @@ class TcpTransport:
         return self._port
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.config.listen_host, self.config.port)
-        self._port = self._server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.config.listen_host, self.config.port,
+                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        self._listener = socket.socket(family, kind, proto)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(address)
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._port = self._listener.getsockname()[1]
+        self._acceptor = asyncio.create_task(self._accept(), name="tcp-transport-accept")
         log.info("tcp transport listening on %s:%d", self.config.listen_host, self._port)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._acceptor.cancel()
             for task in list(self._handlers):
                 task.cancel()
-            await asyncio.gather(*self._handlers, return_exceptions=True)
-            await self._server.wait_closed()
-            self._server = None
+            await asyncio.gather(self._acceptor, *self._handlers, return_exceptions=True)
+            self._listener.close()
+            self._listener = None
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as e:  # out of descriptors, a reset before accept: keep serving
+                self.errors.record("tcp_transport_server", e)
+                await asyncio.sleep(0.05)
+                continue
+            task = asyncio.create_task(self._serve(SocketStream(conn)))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
 
     def metadata(self) -> PeerMetadata:
         return PeerMetadata(
@@ -105,42 +116,48 @@ class TcpTransport:
 
     # ---- sender -----------------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._handlers.add(task)
+    async def _serve(self, conn: SocketStream) -> None:
+        reader = writer = conn
         try:
             try:
                 # A peer that trickles its header holds a connection, not a request: one deadline.
-                req = await asyncio.wait_for(read_header(reader, REQUEST),
+                req = await asyncio.wait_for(wire.read_header(reader, wire.REQUEST),
                                              self.config.handshake_timeout_s)
             except TransferError as e:
-                await write_header(writer, {"ok": False, "error": str(e)})
+                await wire.write_header(writer, {"ok": False, "error": str(e)})
                 raise
-            if isinstance(req, NotifyHeader):
+            if isinstance(req, wire.NotifyHeader):
                 if self._token_ok(req.token) and self._check_lease(req.request_id):
                     self._done.append(req.request_id)
                 return
             error = self._refusal(req)
             if error:
-                await write_header(writer, {"ok": False, "error": error})
+                await wire.write_header(writer, {"ok": False, "error": error})
                 return
             block_ids = req.block_ids
-            staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
-            if req.fp8:
-                q, scales = kernels.fp8_pack(staging)  # q: uint8 like staging; scales [n, L, 2]
-                payload = np.concatenate([q.reshape(-1).cpu().numpy(),
-                                          scales.reshape(-1).cpu().numpy().view(np.uint8)])
-            else:
-                payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+            if req.fp8 or self.kv_cache.is_cuda:
+                staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
+                if req.fp8:
+                    q, scales = kernels.fp8_pack(staging)  # q: uint8 like staging; scales [n, L, 2]
+                    payload = np.concatenate([q.reshape(-1).cpu().numpy(),
+                                              scales.reshape(-1).cpu().numpy().view(np.uint8)])
+                else:
+                    payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+                regions = Regions([memoryview(payload)])
+            else:  # straight from the cache's own blocks
+                regions = Regions(block_views(self.kv_cache, block_ids))
             chunk = self.config.chunk_bytes
-            await write_header(writer, {"ok": True, "num_bytes": int(payload.size), "chunk_bytes": chunk})
-            view = memoryview(payload)
-            for start in range(0, payload.size, chunk):
-                piece = view[start : start + chunk]
-                writer.write(CHECKSUM.pack(xxhash.xxh3_64_intdigest(piece)))
-                writer.write(piece)
-                await writer.drain()
-            done = await read_header(reader, DoneHeader)
+            total = regions.num_bytes
+            await wire.write_header(writer, {"ok": True, "num_bytes": total, "chunk_bytes": chunk})
+            for start in range(0, total, chunk):
+                pieces = regions.pieces(start, min(start + chunk, total))
+                digest = xxhash.xxh3_64()
+                for piece in pieces:
+                    digest.update(piece)
+                writer.write(wire.CHECKSUM.pack(digest.intdigest()))
+                for piece in pieces:
+                    await conn.send(piece)
+            done = await wire.read_header(reader, wire.DoneHeader)
             if done.request_id == req.request_id:
                 self._done.append(req.request_id)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, TransferError) as e:
@@ -148,8 +165,7 @@ class TcpTransport:
         except Exception as e:  # noqa: BLE001 - one peer's connection never takes the server down
             self.errors.record("tcp_transport_server", e)
         finally:
-            self._handlers.discard(task)
-            writer.close()
+            conn.close()
 
     def _token_ok(self, given: str) -> bool:
         token = self.config.token
@@ -164,7 +180,7 @@ class TcpTransport:
             return False
         return True
 
-    def _refusal(self, req: PullHeader) -> str | None:
+    def _refusal(self, req: wire.PullHeader) -> str | None:
         if not self._token_ok(req.token):
             return "invalid internal token"
         try:
@@ -180,7 +196,7 @@ class TcpTransport:
     @staticmethod
     def _address(peer: PeerMetadata) -> tuple[str, int]:
         try:
-            params = TcpParams.model_validate(peer.params)
+            params = wire.TcpParams.model_validate(peer.params)
         except ValidationError as e:
             raise TransferError(f"invalid tcp metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
         return params.host, params.port
@@ -188,11 +204,12 @@ class TcpTransport:
     async def notify(self, peer: PeerMetadata, request_id: str) -> None:
         host, port = self._address(peer)
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                               self.config.pull_timeout_s)
-            await write_header(writer, {"op": "notify", "request_id": request_id,
-                                         "token": self.config.token or ""})
-            writer.close()
+            conn = await asyncio.wait_for(SocketStream.connect(host, port), self.config.pull_timeout_s)
+            try:
+                await wire.write_header(conn, {"op": "notify", "request_id": request_id,
+                                          "token": self.config.token or ""})
+            finally:
+                conn.close()
         except (OSError, TimeoutError) as e:
             raise TransferError(f"tcp notification to {peer.engine_id} failed: {e}") from e
 
@@ -217,39 +234,48 @@ class TcpTransport:
 
     async def _pull(self, peer, request_id, remote_block_ids, local_block_ids) -> PullStats:
         t0 = time.perf_counter()
-        reader, writer = await asyncio.open_connection(*self._address(peer))
+        reader = writer = conn = await SocketStream.connect(*self._address(peer))
         try:
             fp8 = self.config.fp8
-            await write_header(writer, {"op": "pull", "request_id": request_id,
+            await wire.write_header(writer, {"op": "pull", "request_id": request_id,
                                          "block_ids": list(remote_block_ids),
                                          "token": self.config.token or "", "fp8": fp8})
-            resp = await read_header(reader, ANSWER)
-            if isinstance(resp, Refused):
+            resp = await wire.read_header(reader, wire.ANSWER)
+            if isinstance(resp, wire.Refused):
                 raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.error}")
             n = len(remote_block_ids)
             lay = self.layout
             shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
             num_runs = n * lay.num_layers * 2
+            direct = not fp8 and not self.kv_cache.is_cuda
             if fp8:
                 expected = num_runs * (lay.run_bytes // lay.element_size) + num_runs * 4
                 buf = np.empty(expected, dtype=np.uint8)
+                regions = Regions([memoryview(buf)])
+            elif direct:  # straight into this cache's blocks: they are this request's, unused yet
+                expected = n * lay.bytes_per_block
+                regions = Regions(block_views(self.kv_cache, local_block_ids))
             else:
                 expected = n * lay.bytes_per_block
                 staging = torch.empty(shape, dtype=self.kv_cache.dtype)
                 buf = staging.view(torch.uint8).reshape(-1).numpy()
+                regions = Regions([memoryview(buf)])
             # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped
             # the read loop and scattered uninitialised staging memory into the cache).
-            if resp.num_bytes != expected:
+            if resp.num_bytes != expected or regions.num_bytes != expected:
                 raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
             chunk = resp.chunk_bytes
             received = 0
             for start in range(0, expected, chunk):
-                (want,) = CHECKSUM.unpack(await reader.readexactly(CHECKSUM.size))
+                (want,) = wire.CHECKSUM.unpack(await reader.readexactly(wire.CHECKSUM.size))
                 size = min(chunk, expected - start)
-                data = await reader.readexactly(size)
-                if xxhash.xxh3_64_intdigest(data) != want:
+                digest = xxhash.xxh3_64()
+                for piece in regions.pieces(start, start + size):
+                    await conn.read_into(piece)
+                    digest.update(piece)
+                if digest.intdigest() != want:
+                    # Written blocks are this request's own; the caller frees them on failure.
                     raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
-                buf[start : start + size] = np.frombuffer(data, dtype=np.uint8)
                 received += size
             if received != expected:
                 raise TransferError(f"received {received} of {expected} bytes")
@@ -258,9 +284,10 @@ class TcpTransport:
                 q = torch.from_numpy(buf[:num_q]).reshape(shape).to(self.kv_cache.device)
                 scales = torch.from_numpy(buf[num_q:].view(np.float32)).reshape(shape[:3])
                 staging = kernels.fp8_unpack(q, scales.to(self.kv_cache.device), self.kv_cache.dtype)
-            kernels.scatter_blocks(self.kv_cache, local_block_ids, staging.to(self.kv_cache.device))
-            await write_header(writer, {"op": "done", "request_id": request_id})
+            if not direct:
+                kernels.scatter_blocks(self.kv_cache, local_block_ids, staging.to(self.kv_cache.device))
+            await wire.write_header(writer, {"op": "done", "request_id": request_id})
         finally:
-            writer.close()
+            conn.close()
         return PullStats(num_blocks=n, num_bytes=expected, seconds=time.perf_counter() - t0,
                          num_descriptors=0, transport_label="tcp+fp8" if fp8 else "tcp")

@@ -97,6 +97,7 @@ def add_info_routes(app: FastAPI, gw: Gateway) -> None:
         ok = not gw.draining and any(w.role in ("decode", "colocated") for w in live)
         return JSONResponse({"ready": ok, "workers": {w.worker_id: w.role for w in live},
                              "models": served_models(gw), "redis": gw.directory.redis_ok,
+                             "index": gw.index.stats() if gw.index is not None else None,
                              "draining": gw.draining}, 200 if ok else 503)
 
 

@@ -18,13 +18,14 @@ from common.background import BackgroundErrors
 from common.errors import APIError
 from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
+from common.redis_client import connect
 from common.registry import RedisKeys
 from common.tool_calls import PARSERS, constrain_tools
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
 from router.backends import BACKENDS
 from router.dispatch import Dispatcher, Trace
-from router.index import PrefixIndex, RedisPrefixIndex
+from router.index import INDEXES, PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
@@ -127,16 +128,17 @@ class Gateway:
             try:
                 redis = None
                 if s.redis_url:
-                    import redis.asyncio as aioredis
-
-                    redis = aioredis.from_url(s.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+                    redis = connect(s.redis_url, s.redis_cluster)
                     stack.push_async_callback(redis.aclose)
+                    if self.index is None:
+                        self.index = INDEXES[s.index](redis, self.keys, s.index_search,
+                                                      s.redis_cluster, directory.errors)
+                    directory.index = self.index  # told of the live workers on every refresh
                     await directory.refresh(redis)
                     tasks.append(asyncio.create_task(directory.run(redis, s.refresh_interval_s)))
+                    tasks.append(asyncio.create_task(self.index.run(s.index_poll_interval_s)))
                 else:
                     log.warning("no Redis configured: in-process prefix index (learns from routing only)")
-                if self.index is None and redis is not None:
-                    self.index = RedisPrefixIndex(redis, self.keys, s.index_search)
                 if self.limiter is None:
                     self.limiter = RateLimiter(redis, self.keys, s.rate_limit_rpm, s.rate_limit_tpm)
                 yield self

@@ -1,17 +1,28 @@
 """The prefix index: per live worker, how many leading blocks of a prompt it already holds.
 
-`RedisPrefixIndex` answers with one Lua round trip over the sets workers publish
-(common/registry.py); `MemoryPrefixIndex` has the same interface for single-router development
-and learns only from the router's own decisions (and the router's approximate index of vLLM
+Two backends read what workers publish (common/publisher.py), named in `INDEXES`:
+
+- `replica` (default): the router's own copy of every set, fed by the workers' event streams
+  (router/replica.py, router/replica_feed.py); a lookup never leaves the process.
+- `redis`: one Lua round trip per lookup over the sets in Redis (one per shard on a cluster);
+  no copy in the router, every lookup ships the prompt's hashes.
+
+`MemoryPrefixIndex` has the same `match`/`record` interface for single-router development and
+learns only from the router's own decisions (and the router's approximate index of vLLM
 backends, which publish nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
+from common.background import BackgroundErrors
 from common.hashing import hash_member
+from common.redis_client import slot_groups
 from common.registry import RedisKeys
+from router.replica import BlockReplica
+from router.replica_feed import ReplicaFeed
 
 # KEYS = blocks:{id} per candidate worker; ARGV = the prompt's block hashes in order.
 # Returns, per worker, the number of leading hashes present, stopping at the first miss.
@@ -73,6 +84,11 @@ return out
 SEARCHES = {"exact": _LEADING_MATCH_LUA, "gallop": _GALLOP_LUA}
 
 
+def _check_search(search: str) -> None:
+    if search not in SEARCHES:
+        raise ValueError(f"unknown index search {search!r}; choose from {', '.join(SEARCHES)}")
+
+
 class PrefixIndex(Protocol):
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         """Leading matched blocks per worker id (0 for unknown workers)."""
@@ -80,30 +96,100 @@ class PrefixIndex(Protocol):
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         """The router routed these blocks to `worker_id` (used by approximate backends)."""
 
+    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+        """The Redis-registered workers now (id -> their registration's `events` field); with
+        `data_lost`, Redis lost its data since the last call."""
+
+    async def run(self, interval_s: float) -> None:
+        """Keep whatever the index holds up to date (returns at once if it holds nothing)."""
+
+    def stats(self) -> dict:
+        """What it holds and how it has kept up, for /ready."""
+
 
 class RedisPrefixIndex:
-    def __init__(self, redis, keys: RedisKeys, search: str = "gallop") -> None:
-        if search not in SEARCHES:
-            raise ValueError(f"unknown index search {search!r}; choose from {', '.join(SEARCHES)}")
+    def __init__(self, redis, keys: RedisKeys, search: str = "gallop", cluster: bool = False,
+                 errors: BackgroundErrors | None = None) -> None:
+        _check_search(search)
         self.redis = redis
         self.keys = keys
+        self.cluster = cluster
         self._script = redis.register_script(SEARCHES[search])
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         if not block_hashes or not worker_ids:
             return dict.fromkeys(worker_ids, 0)
-        counts = await self._script(keys=[self.keys.blocks(w) for w in worker_ids],
-                                    args=[hash_member(h) for h in block_hashes])
-        return {w: int(c) for w, c in zip(worker_ids, counts, strict=True)}
+        keys = [self.keys.blocks(w) for w in worker_ids]
+        args = [hash_member(h) for h in block_hashes]
+        if not self.cluster:
+            counts = await self._script(keys=keys, args=args)
+            return {w: int(c) for w, c in zip(worker_ids, counts, strict=True)}
+        # A script may touch one slot: one call per shard's slot, in parallel, merged.
+        groups = list(slot_groups(keys).values())
+        answers = await asyncio.gather(*(self._script(keys=[keys[i] for i in g], args=args)
+                                         for g in groups))
+        out = {}
+        for group, counts in zip(groups, answers, strict=True):
+            for i, c in zip(group, counts, strict=True):
+                out[worker_ids[i]] = int(c)
+        return out
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         pass  # workers publish what they really hold
+
+    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+        pass  # nothing kept here
+
+    async def run(self, interval_s: float) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"backend": "redis"}
+
+
+class ReplicaPrefixIndex:
+    """Lookups on the router's replica; `run` keeps it fed, `track` names the live workers."""
+
+    def __init__(self, redis, keys: RedisKeys, search: str = "gallop", cluster: bool = False,
+                 errors: BackgroundErrors | None = None) -> None:
+        _check_search(search)
+        self.search = search
+        self.replica = BlockReplica()
+        self.feed = ReplicaFeed(redis, keys, self.replica, errors)
+
+    async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
+        return self.replica.match(block_hashes, worker_ids, self.search)
+
+    def record(self, worker_id: str, block_hashes: list[int]) -> None:
+        pass  # workers publish what they really hold
+
+    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+        if data_lost:
+            self.feed.resync_all()
+        self.feed.track(workers)
+
+    async def run(self, interval_s: float) -> None:
+        await self.feed.run(interval_s)
+
+    def stats(self) -> dict:
+        r, f = self.replica, self.feed
+        entries = r.num_entries()
+        return {"backend": "replica", "workers": len(r.workers()), "entries": entries,
+                "bytes_per_entry": round(r.memory_bytes() / entries, 1) if entries else None,
+                "stream_entries": f.num_entries, "snapshots": f.num_snapshots, "gaps": f.num_gaps,
+                "stale": len(f._stale)}
+
+
+INDEXES = {"replica": ReplicaPrefixIndex, "redis": RedisPrefixIndex}
 
 
 class MemoryPrefixIndex:
     def __init__(self, max_blocks: int = 1_000_000) -> None:
         self._sets: dict[str, dict[int, None]] = {}
         self.max_blocks = max_blocks
+
+    def stats(self) -> dict:
+        return {"backend": "memory", "workers": len(self._sets)}
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         out = {}

@@ -5,6 +5,7 @@ description is its `--help` text and its line in the README's configuration refe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,8 @@ class RouterSettings(BaseSettings):
                                   "must match the workers'")
     redis_url: str | None = Field(None, description="Redis with the worker registry and the "
                                   "prefix index; none: static workers and an in-process index")
+    redis_cluster: bool = Field(False, description="--redis-url names one node of a Redis "
+                                "Cluster (common/redis_client.py)")
     namespace: str = Field("default", description="Redis key namespace shared with the workers")
     workers: list[str] = Field([], description="static worker [backend:]role=url[,model=NAME], "
                                "repeatable: decode=http://127.0.0.1:8300 (a Tandem worker) or "
@@ -58,8 +61,14 @@ class RouterSettings(BaseSettings):
                         "POLICIES (kv_aware, round_robin, least_loaded, random)")
     policy_seed: int | None = Field(None, description="seeds the random policy (reproducible "
                                     "runs, the simulator)")
-    index_search: str = Field("gallop", description="leading-match search in the Redis index: "
-                              "gallop or exact (router/index.py)")
+    index: Literal["replica", "redis"] = Field("replica", description="prefix index backend "
+                                               "(router/index.py INDEXES): replica, a copy in "
+                                               "the router fed by the workers' event streams; "
+                                               "redis, one Lua lookup per request")
+    index_search: str = Field("gallop", description="leading-match search: gallop or exact "
+                              "(router/index.py)")
+    index_poll_interval_s: float = Field(0.02, gt=0, le=10, description="how often the replica "
+                                         "index reads the workers' block events")
     refresh_interval_s: float = Field(0.5, description="how often the worker directory is read "
                                       "from Redis")
     redis_restart_grace_s: float = Field(5.0, description="keep known workers this long after "

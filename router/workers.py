@@ -53,6 +53,7 @@ class WorkerDirectory:
         self.breaker_cooldown_s = breaker_cooldown_s
         self.workers: dict[str, WorkerInfo] = {}
         self.redis_ok: bool | None = None
+        self.index = None  # a PrefixIndex to tell of the registered workers (router/index.py)
         for i, entry in enumerate(static):
             backend, role, url, model = parse_static(entry)
             wid = f"static-{role}-{i}"
@@ -102,7 +103,7 @@ class WorkerDirectory:
         for key, raw in zip(keys, infos, strict=True):
             if not raw:
                 continue
-            wid = (key.decode(errors="replace") if isinstance(key, bytes) else key).rsplit(":", 1)[-1]
+            wid = self.keys.worker_id_of(key)
             try:
                 reg = WorkerRegistration.from_hash(raw, wid, self.token)
             except (ValueError, UnicodeDecodeError) as e:
@@ -119,10 +120,14 @@ class WorkerDirectory:
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
             w.load = reg.load.model_dump()
+            w.events = reg.events
         if time.monotonic() >= self._grace_until:
             for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:
                 log.info("worker left: %s", wid)
                 del self.workers[wid]
+        if self.index is not None:
+            self.index.track({wid: w.events for wid, w in self.workers.items()
+                              if not w.static and w.backend == "tandem"}, data_lost=lost)
         await self.reconcile()
 
     async def leave(self, redis) -> None:

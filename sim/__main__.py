@@ -4,9 +4,16 @@
     python -m sim validate [--profile-file my-profile.json] [--real bench/results/policies.json]
                              # against a real bench/policies.py run on this machine
 
-`sweep` runs, per policy (kv_aware, round_robin, random), cluster size (8 to 128 workers) and
-P:D ratio, the same seeded sessions at an arrival rate that scales with the cluster, and reports
-hit ratio, TTFT and ITL p50/p99 and goodput under the SLO. JSON: bench/results/sim_sweep.json.
+`sweep` runs, per policy (kv_aware, round_robin, random), cluster size (8 to 128 workers by
+default, up to 1,024) and P:D ratio, the same seeded sessions at an arrival rate that scales with
+the cluster, and reports hit ratio, TTFT and ITL p50/p99 and goodput under the SLO; the router's
+hashing and index lookup cost what bench/index.py measured. JSON: bench/results/sim_sweep.json.
+The fleet sweep (1,024 workers, 100k-token agentic contexts on an assumed H200 profile):
+
+    python -m sim sweep --profile-file sim/profiles/h200-llama3-8b.json --sizes 128,512,1024 \
+        --ratios 1:3 --sessions 1500 --turns 2 --system-tokens 100000 --shared-prefixes 96 \
+        --user-tokens 400 --answer-tokens 150 --sessions-per-s-per-worker 0.01 \
+        --policies kv_aware,round_robin --slo-ttft 5 --slo-itl 0.1 --out sim_fleet.json
 `validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
 2 prefill + 1 decode, as many sessions in flight) at the tiny-cpu profile (or one given with
 --profile-file) and compares with the real run. JSON: bench/results/sim_validate.json.
@@ -63,7 +70,8 @@ def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: 
 def cmd_sweep(args) -> int:
     profile = load(args.profile_file) if args.profile_file else calibrated(args.profile)
     sessions = multi_turn(args.sessions, turns=args.turns, seed=args.seed, system_tokens=args.system_tokens,
-                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think_s)
+                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think_s,
+                          shared_prefixes=args.shared_prefixes)
     rows = []
     for size in args.sizes:
         for ratio in args.ratios:
@@ -71,7 +79,7 @@ def cmd_sweep(args) -> int:
             num_p = max(1, round(size * p_share / (p_share + d_share)))
             num_d = max(1, size - num_p)
             rate = args.sessions_per_s_per_worker * size
-            for policy in POLICIES:
+            for policy in args.policies:
                 t0 = time.perf_counter()
                 s = simulate(profile, num_p, num_d, policy, sessions, rate=rate, slo=(args.slo_ttft, args.slo_itl))
                 row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
@@ -81,8 +89,9 @@ def cmd_sweep(args) -> int:
                                                       "ttft_s", "itl_s", "goodput_rps", "sim_wall_s")}),
                       file=sys.stderr)
     out = {"profile": profile.to_json(), "sessions": args.sessions, "turns": args.turns,
+           "system_tokens": args.system_tokens, "shared_prefixes": args.shared_prefixes,
            "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
-    _write("sim_sweep.json", out)
+    _write(args.out, out)
     return 0
 
 
@@ -152,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--sessions-per-s-per-worker", type=float, default=0.05)
     sw.add_argument("--slo-ttft", type=float, default=2.0)
     sw.add_argument("--slo-itl", type=float, default=0.25)
+    sw.add_argument("--shared-prefixes", type=int, default=None,
+                    help="draw system prompts from this many shared ones (agentic, long-context)")
+    sw.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    sw.add_argument("--out", default="sim_sweep.json", help="file name under bench/results/")
     sw.set_defaults(func=cmd_sweep)
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
     va.add_argument("--profile-file", default=None,

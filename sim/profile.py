@@ -10,6 +10,7 @@ JSON file for other hardware (`load`), e.g. a GPU profile:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -36,6 +37,12 @@ class CostProfile:
     # costs below, all CPU work of one process, apply.
     host_cores: float | None = None
     router_cpu_s: float = 0.0  # router work before the first worker call (template, tokenize, route)
+    # Hashing a prompt's blocks and the replica index lookup (bench/index.py: gallop p50 is
+    # ~0.14 us per worker per doubling of the prompt's blocks): they grow with the fleet and the
+    # context, and run on the router's one event loop.
+    hash_s_per_block: float = 0.5e-6
+    lookup_base_s: float = 10e-6
+    lookup_s_per_worker_doubling: float = 0.14e-6
     router_relay_cpu_per_token_s: float = 0.0  # the router's work per token it relays to a client
     client_cpu_per_token_s: float = 0.0  # a load generator on the same machine, per token it reads
     # A worker's own work per request besides its prefill or decode steps (HTTP, leases, pulls,
@@ -53,6 +60,11 @@ class CostProfile:
     def prefill_s(self, num_uncached: int, local: bool = False) -> float:
         fixed = self.local_prefill_fixed_s if local and self.local_prefill_fixed_s is not None else self.prefill_fixed_s
         return fixed + num_uncached / self.prefill_tokens_per_s
+
+    def lookup_s(self, num_blocks: int, num_workers: int) -> float:
+        """Hashing a prompt of `num_blocks` blocks and matching it against `num_workers`."""
+        return (num_blocks * self.hash_s_per_block + self.lookup_base_s
+                + num_workers * math.log2(num_blocks + 1) * self.lookup_s_per_worker_doubling)
 
     def transfer_s(self, num_blocks: int) -> float:
         return self.link_latency_s + num_blocks * self.block_bytes / self.link_bytes_per_s

@@ -1,6 +1,6 @@
 """A discrete-event simulation of a Tandem cluster that drives the router's real code: block
-hashing (common/hashing.py), the prefix index (router/index.py, one LRU set per worker, updated
-when a worker stores blocks, as the Redis index is), the routing step (router/gateway.py's
+hashing (common/hashing.py), the prefix index (the router's replica, router/replica.py, with
+each worker's capacity: sim/fleet_cache.py), the routing step (router/gateway.py's
 `plan_for` over the same policies and `WorkerInfo`) and the dispatcher's rate and bandwidth learning
 (router/dispatch.py). Only the workers and the link are simulated, at the costs of a
 `CostProfile`:
@@ -31,10 +31,10 @@ from common.hashing import BlockHasher
 from common.protocol import RequestTiming
 from router.dispatch import learn_bandwidth, learn_prefill_rate
 from router.gateway import plan_for
-from router.index import MemoryPrefixIndex
 from router.policy import make_policy
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
+from sim.fleet_cache import FleetCache
 from sim.host import Clock, Host, Thread
 from sim.profile import CostProfile
 
@@ -58,15 +58,6 @@ def _nothing() -> None:
     pass
 
 
-def _run(coro):
-    """Runs a coroutine that never awaits anything real (the in-memory index) to its result."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError("the coroutine awaited something")
-
-
 class SimWorker:
     def __init__(self, cluster: Cluster, info: WorkerInfo) -> None:
         self.c, self.info = cluster, info
@@ -86,7 +77,7 @@ class SimWorker:
                           + sum(len(r.prompt) for r in self.local)}
 
     def cached_blocks(self, hashes: list[int]) -> int:
-        return _run(self.c.index.match(hashes, [self.info.worker_id]))[self.info.worker_id]
+        return self.c.index.match(hashes, [self.info.worker_id], "exact")[self.info.worker_id]
 
     # -- prefill role ------------------------------------------------------------------------
     def submit_prefill(self, req: SimRequest, on_prefilled: Callable[[SimRequest, int], None]) -> None:
@@ -185,7 +176,7 @@ class Cluster:
                                                    bytes_per_block=profile.block_bytes, policy_seed=0)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
-        self.index = MemoryPrefixIndex(max_blocks=profile.num_blocks)
+        self.index = FleetCache(profile.num_blocks)
         self.host = Host(self.clock, profile.host_cores) if profile.host_cores else None
         self.workers: list[SimWorker] = []
         for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
@@ -219,7 +210,10 @@ class Cluster:
         self.clock.at(req.arrival, self._route, req)
 
     def _route(self, req: SimRequest) -> None:
-        self.compute(self.profile.router_cpu_s, self._routed, req, thread=self.router_thread)
+        p = self.profile
+        num_blocks = len(req.prompt) // p.block_size
+        cost = p.router_cpu_s + p.lookup_s(num_blocks, len(self.workers))
+        self.compute(cost, self._routed, req, thread=self.router_thread)
 
     def deliver(self, num_tokens: int, fn: Callable = _nothing, *args) -> None:
         """`num_tokens` tokens that reached the router go on to the client; `fn(*args)` once the
@@ -244,7 +238,7 @@ class Cluster:
     def _routed(self, req: SimRequest) -> None:
         req.hashes = self.hasher(req.prompt)
         live = [w.info for w in self.workers]
-        matches = _run(self.index.match(req.hashes, [w.worker_id for w in live]))
+        matches = self.index.match(req.hashes, [w.worker_id for w in live])
         plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes), self.profile.block_size)
         req.plan = plan.kind
         self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1

@@ -18,16 +18,19 @@ class SimSession:
 
 def multi_turn(num_sessions: int, turns: int = 4, seed: int = 0, system_tokens: int = 200,
                user_tokens: int = 40, answer_tokens: int = 32, vocab: int = 49152,
-               think_s: float = 0.0) -> list[SimSession]:
-    """Each session: a system prompt of its own, then `turns` user messages; lengths vary by
-    +-50% around the given means."""
+               think_s: float = 0.0, shared_prefixes: int | None = None) -> list[SimSession]:
+    """Each session: a system prompt of its own (or, with `shared_prefixes`, one of that many
+    shared by all sessions: agents working on the same code base or documents), then `turns`
+    user messages; lengths vary by +-50% around the given means."""
     rng = random.Random(seed)
 
     def toks(mean: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(max(1, int(mean * rng.uniform(0.5, 1.5))))]
 
-    return [SimSession(toks(system_tokens), [(toks(user_tokens), max(1, int(answer_tokens * rng.uniform(0.5, 1.5))))
-                                             for _ in range(turns)], think_s)
+    shared = [toks(system_tokens) for _ in range(shared_prefixes or 0)]
+    return [SimSession(rng.choice(shared) if shared else toks(system_tokens),
+                       [(toks(user_tokens), max(1, int(answer_tokens * rng.uniform(0.5, 1.5))))
+                        for _ in range(turns)], think_s)
             for _ in range(num_sessions)]
 
 

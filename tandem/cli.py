@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
         p.add_argument("--no-redis", action="store_true", help="in-process index, static workers")
+        p.add_argument("--redis-cluster", action="store_true", help="--redis-url is one node of a "
+                       "Redis Cluster")
         p.add_argument("--namespace", default=None, help="Redis key namespace of this cluster "
                        "(default: local-<router port>, so two clusters on one Redis never mix)")
         p.add_argument("--drain-timeout-s", type=float, default=30.0, help="on stop: how long "

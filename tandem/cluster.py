@@ -264,6 +264,19 @@ class Router:
         self.log.close()
 
 
+def wait_redis(port: int, timeout: float = 10.0) -> None:
+    """Until the redis-server on `port` answers PING."""
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise TimeoutError(f"redis-server on {port} did not start")
+
+
 class RedisServer:
     """A throwaway redis-server on a fixed port, so it can be stopped and started again."""
 
@@ -278,14 +291,7 @@ class RedisServer:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
                                      stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise TimeoutError("redis-server did not start")
+        wait_redis(self.port)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

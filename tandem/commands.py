@@ -140,7 +140,8 @@ def _cluster(args: argparse.Namespace):
 
     return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
                    num_prefill=args.prefill, num_decode=args.decode,
-                   redis_url=None if args.no_redis else args.redis_url, num_blocks=args.num_blocks,
+                   redis_url=None if args.no_redis else args.redis_url,
+                   redis_cluster=args.redis_cluster, num_blocks=args.num_blocks,
                    threads=args.threads, namespace=args.namespace,
                    drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,

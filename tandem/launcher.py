@@ -47,6 +47,7 @@ class Cluster:
     num_prefill: int = 1
     num_decode: int = 1
     redis_url: str | None = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False  # redis_url is one node of a Redis Cluster (never started here)
     namespace: str | None = None  # None: derived from the router port, so two clusters differ
     drain_timeout_s: float = 30.0
     num_blocks: int | None = None
@@ -81,6 +82,8 @@ class Cluster:
         if _port_open(host, port):
             _say(f"using the Redis at {self.redis_url}")
             return self.redis_url
+        if self.redis_cluster:
+            raise SystemExit(f"no Redis Cluster node answers at {host}:{port}")
         host = "127.0.0.1"
         if shutil.which("redis-server"):
             port = _free_port()
@@ -115,8 +118,9 @@ class Cluster:
             common += ["--num-blocks", str(self.num_blocks)]
         if self.threads:
             common += ["--threads", str(self.threads)]
+        cluster_flag = ["--redis-cluster"] if self.redis_cluster else []
         if redis_url:
-            common += ["--redis-url", redis_url, "--namespace", self.namespace]
+            common += ["--redis-url", redis_url, "--namespace", self.namespace, *cluster_flag]
         workers = []
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
@@ -131,7 +135,7 @@ class Cluster:
         router = ["router", "--model", Path(self.model).name, "--cache-dir", str(self.cache_dir),
                   "--port", str(port), "--drain-timeout-s", str(self.drain_timeout_s)]
         if redis_url:
-            router += ["--redis-url", redis_url, "--namespace", self.namespace]
+            router += ["--redis-url", redis_url, "--namespace", self.namespace, *cluster_flag]
         else:
             for entry in static:
                 router += ["--worker", entry]

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.block_events import WORKER_ID_PATTERN
 from common.model_identity import check_name
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -36,8 +37,10 @@ class WorkerSettings(BaseSettings):
     port: int = Field(8100, description="HTTP port (internal API, OpenAI endpoints, /metrics)")
     advertise_host: str | None = Field(None, description="address peers and the router use to "
                                        "reach this worker (default: --host)")
-    worker_id: str | None = Field(None, description="id in Redis and metrics "
-                                  "(default: role-host-port)")
+    redis_cluster: bool = Field(False, description="--redis-url names one node of a Redis "
+                                "Cluster (common/redis_client.py)")
+    worker_id: str | None = Field(None, pattern=WORKER_ID_PATTERN, description="id in Redis "
+                                  "and metrics (default: role-host-port)")
     redis_url: str | None = Field(None, description="Redis for registration and block events, "
                                   "e.g. redis://127.0.0.1:6379/0; none: static workers only")
     namespace: str = Field("default", description="Redis key namespace shared with the router")

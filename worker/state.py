@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from common.background import BackgroundErrors
-from common.registry import RedisKeys, WorkerPublisher
+from common.publisher import WorkerPublisher
+from common.registry import RedisKeys
 from engine.async_engine import AsyncEngine
 from engine.core_client import CoreView, ProcessEngine
 from engine.engine_client import EngineClient
@@ -91,7 +92,7 @@ class WorkerState:
             self.publisher = WorkerPublisher(
                 s.redis_url, RedisKeys(s.namespace), s.resolved_worker_id, self.registration_info(),
                 snapshot=self._snapshot, load=self.load, ttl_s=s.heartbeat_ttl_s,
-                errors=self.errors, token=s.internal_token)
+                errors=self.errors, token=s.internal_token, cluster=s.redis_cluster)
             self.publisher.start()
         self.ready = True
 

@@ -67,13 +67,14 @@ async def main() -> None:
     ap.add_argument("--pull-timeout", type=float, default=10.0)
     ap.add_argument("--ucx-proto-log", default=None)
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--chunk-bytes", type=int, default=16 << 20)
     args = ap.parse_args()
     cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size)
     layout = KVLayout.of_cache(cache, args.model_id)
     released: list[str] = []
     config = TransportConfig(engine_id=args.engine_id, token=args.token, listen_host=args.host,
                              pull_timeout_s=args.pull_timeout, ucx_proto_log=args.ucx_proto_log,
-                             fp8=args.fp8)
+                             fp8=args.fp8, chunk_bytes=args.chunk_bytes)
     connector = KVConnector(cache, layout, config, args.transport, released.append,
                             lease_seconds=args.lease_seconds)
     await connector.start()

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 
+from common.registry import RedisKeys
 from tandem.cluster import REDIS_URL, ROOT, TOKEN, free_port, two_by_two
 from tandem.streaming_load import StreamingLoad
 
@@ -51,7 +52,7 @@ def cluster_2p2d(tiny_folder, tmp_path):
 def test_sigterm_deregisters_at_once_and_exits_zero(cluster_2p2d):
     router, workers, ns = cluster_2p2d
     d = workers[2]
-    key = f"tandem:{ns}:worker:{d.worker_id}"
+    key = RedisKeys(ns).worker(d.worker_id)
     assert _redis().exists(key)
     d.proc.send_signal(signal.SIGTERM)
     _wait_until(lambda: not _redis().exists(key), 3.0, "the registration deleted")
@@ -75,7 +76,7 @@ def test_rolling_restart_under_streaming_load_loses_nothing(cluster_2p2d):
     assert result["ok"] >= 20
     r = _redis()
     for w in workers:  # every worker back in the index
-        assert r.exists(f"tandem:{ns}:worker:{w.worker_id}")
+        assert r.exists(RedisKeys(ns).worker(w.worker_id))
     assert set(router.client.get("/ready").json()["workers"]) == {w.worker_id for w in workers}
 
 

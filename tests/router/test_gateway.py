@@ -7,9 +7,13 @@ import uuid
 import httpx
 import openai
 import pytest
+import redis
 
+from common.block_events import StreamEntry
+from common.hashing import hash_blocks, hash_member
+from common.registry import RedisKeys
 from engine import SamplingParams
-from tandem.cluster import Router, Worker, series_sum
+from tandem.cluster import REDIS_URL, Router, Worker, series_sum
 
 pytestmark = pytest.mark.redis
 
@@ -256,3 +260,30 @@ def test_prompt_larger_than_the_decode_kv_cache_is_refused_by_the_router(client)
     assert e.value.code == "context_length_exceeded" and "1024 tokens" in e.value.message
     ok = client.completions.create(model="tiny-random", prompt="kv " * 200, max_tokens=4)
     assert ok.usage.prompt_tokens == 600 and ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_wrong_index_costs_a_cache_miss_never_a_wrong_answer(cluster, client, reference):
+    """Whatever the router's replica believes (here: forged into Redis, the source of truth it
+    re-reads on a `reset` entry), the worker computes what it lacks: the answer is the reference
+    engine's, and the usage shows the miss."""
+    r, _, d = cluster
+    ns = d.cmd[d.cmd.index("--namespace") + 1]
+    keys = RedisKeys(ns)
+    rds = redis.Redis.from_url(REDIS_URL)
+    seed = int(rds.hget(keys.worker(d.worker_id), "hash_seed"))
+    prompt = [(7 * i + 3) % 250 for i in range(64)]  # 16 blocks nobody has seen
+    forged = [hash_member(h) for h in hash_blocks(prompt, 4, seed)]
+    stream = keys.events(keys.event_shard(d.worker_id))
+    rds.sadd(keys.blocks(d.worker_id), *forged)
+    rds.xadd(stream, StreamEntry(d.worker_id, "f" * 16, 0, "reset").fields())
+    try:
+        time.sleep(0.5)  # a few feed polls
+        out = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=8, temperature=0)
+        want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
+        assert out.choices[0].text == want.text
+        assert out.model_extra["tandem"]["plan"] == "decode_local"  # routed on the forged hit
+        assert out.usage.prompt_tokens_details.cached_tokens == 0  # which was a miss
+    finally:
+        rds.srem(keys.blocks(d.worker_id), *forged)
+        rds.xadd(stream, StreamEntry(d.worker_id, "f" * 16, 1, "reset").fields())
+        rds.close()

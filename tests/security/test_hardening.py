@@ -18,7 +18,7 @@ import pytest
 import redis
 import yaml
 
-from common.registry import registration_signature
+from common.registry import RedisKeys, registration_signature
 from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
 from tests.security.fakes import FakePeer
 
@@ -119,7 +119,7 @@ def test_a_malformed_registration_does_not_stop_discovery(cluster, tiny_folder):
     new workers never joined, departed ones were never dropped."""
     r, _, _, ns, work = cluster
     client = redis.Redis.from_url(REDIS_URL)
-    bad = f"tandem:{ns}:worker:decode-bad"
+    bad = RedisKeys(ns).worker("decode-bad")
     client.hset(bad, mapping={"role": "decode", "url": "http://127.0.0.1:1", "block_size": "x",
                               "load": "{not json"})
     client.expire(bad, 60)
@@ -144,7 +144,7 @@ def test_a_heartbeating_worker_that_is_not_ready_gets_no_traffic(cluster):
     r, _, _, ns, _ = cluster
     fake = FakePeer()  # answers 404 to everything
     client = redis.Redis.from_url(REDIS_URL)
-    key = f"tandem:{ns}:worker:decode-zombie"
+    key = RedisKeys(ns).worker("decode-zombie")
     fields = {"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"}
     fields["signature"] = registration_signature("decode-zombie", fields, TOKEN)  # a token holder
     client.hset(key, mapping=fields)
@@ -168,7 +168,7 @@ def test_a_registration_without_the_token_is_never_contacted(cluster):
     r, _, _, ns, _ = cluster
     fake = FakePeer()
     client = redis.Redis.from_url(REDIS_URL)
-    key = f"tandem:{ns}:worker:decode-forged"
+    key = RedisKeys(ns).worker("decode-forged")
     fields = {"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"}
     client.hset(key, mapping={**fields, "signature": registration_signature("decode-forged", fields, "guess")})
     client.expire(key, 30)
@@ -285,7 +285,7 @@ def test_a_dead_engine_is_a_dead_worker(tiny_folder, tmp_path):
         assert '"error"' in rest[-1], rest[-3:]
         assert d.proc.wait(30) == 1
         # Deregistered at once (its heartbeat TTL is 30 s: expiry did not do this).
-        assert not client.exists(f"tandem:{ns}:worker:{d.worker_id}", f"tandem:{ns}:blocks:{d.worker_id}")
+        assert not client.exists(RedisKeys(ns).worker(d.worker_id), RedisKeys(ns).blocks(d.worker_id))
         wait_for(lambda: d.worker_id not in ready_workers(r), 10, "the router to drop the worker")
         resp = complete(r)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers", resp.text

@@ -301,7 +301,7 @@ def test_a_bad_notification_does_not_stop_the_lease_watcher(nixl_pd, reference):
 
     import torch
 
-    from kv_transfer.nixl_transport import _import_nixl
+    from kv_transfer.nixl_agent import import_nixl as _import_nixl
 
     nixl = _import_nixl()
     agent = nixl.nixl_agent(f"attacker-{uuid.uuid4().hex[:6]}",

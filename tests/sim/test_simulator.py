@@ -4,6 +4,7 @@ policies' behaviour (kv_aware's hit ratio over round_robin, conditional disaggre
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -25,7 +26,9 @@ def test_one_request_on_an_idle_cluster_costs_exactly_the_profile():
     c.clock.run()
     assert req.plan == "disagg"
     hop = PROFILE.router_hop_s
-    assert req.first_token_at - req.arrival == pytest.approx(2 * hop + PROFILE.prefill_s(320))
+    route = PROFILE.lookup_s(20, 2)  # hashing 20 blocks, the index lookup over 2 workers
+    assert route == pytest.approx(20 * 0.5e-6 + 10e-6 + 2 * math.log2(21) * 0.14e-6)
+    assert req.first_token_at - req.arrival == pytest.approx(route + 2 * hop + PROFILE.prefill_s(320))
     # Then the pull of 20 blocks, the decode call, and 4 decode steps of batch 1.
     itl = [b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)]
     assert itl[0] == pytest.approx(2 * hop + PROFILE.transfer_s(20) + PROFILE.decode_step_s(1))
@@ -203,7 +206,8 @@ def test_local_prefill_costs_its_own_fixed_part():
     c.submit(req)
     c.clock.run()
     assert req.plan == "decode_local"
-    assert req.first_token_at == pytest.approx(2 * PROFILE.router_hop_s + 0.05 + 320 / PROFILE.prefill_tokens_per_s)
+    assert req.first_token_at == pytest.approx(PROFILE.lookup_s(20, 1) + 2 * PROFILE.router_hop_s + 0.05
+                                               + 320 / PROFILE.prefill_tokens_per_s)
 
 
 def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_turn():
@@ -218,13 +222,14 @@ def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_
     c.clock.run()
     hop = PROFILE.router_hop_s
     # The router's own work, then the prefill leg (its hops are the router's work too).
-    assert req.first_token_at == pytest.approx(0.004 + 2 * hop + PROFILE.prefill_s(320))
+    route = 0.004 + PROFILE.lookup_s(20, 2)
+    assert req.first_token_at == pytest.approx(route + 2 * hop + PROFILE.prefill_s(320))
     # The last token: a hop to the router, relayed, read by the client.
     assert req.done_at - req.token_times[-1] == pytest.approx(hop + 0.003 + 0.002)
     busy = {name: t.busy_s for name, t in c.threads().items()}
     assert busy["prefill-0"] == pytest.approx(PROFILE.prefill_s(320) + 0.02)
     assert busy["decode-0"] == pytest.approx(4 * PROFILE.decode_step_s(1) + 0.03)
-    assert busy["router"] == pytest.approx(0.004 + 3 * hop + 5 * 0.003)
+    assert busy["router"] == pytest.approx(route + 3 * hop + 5 * 0.003)
     assert busy["client"] == pytest.approx(5 * 0.002)
 
 
@@ -258,3 +263,31 @@ def test_host_capacity_is_at_most_the_core_count():
 
     assert 0 < host_capacity(1, loops=200_000) <= 1.0
     assert 0 < host_capacity(2, loops=200_000) <= 2.0
+
+
+def test_fleet_cache_is_the_router_replica_with_each_workers_capacity():
+    from sim.fleet_cache import FleetCache
+
+    cache = FleetCache(capacity_blocks=4)
+    cache.record("w", [1, 2, 3])
+    cache.record("v", [1, 2])
+    assert cache.match([1, 2, 3, 9], ["w", "v", "ghost"], "exact") == {"w": 3, "v": 2, "ghost": 0}
+    cache.record("w", [1, 7, 8])  # 1 stored again (most recent), 2 and 3 are the oldest: 2 goes
+    assert cache.match([1, 2, 3], ["w"], "exact") == {"w": 1}
+    assert cache.match([1, 7, 8], ["w"], "gallop") == {"w": 3}
+    assert cache.replica.num_blocks("w") == 4 and cache.replica.num_blocks("v") == 2
+
+
+def test_long_contexts_and_large_fleets_cost_the_router_what_the_index_bench_measured():
+    from dataclasses import replace
+
+    assert PROFILE.lookup_s(6250, 1024) > 20 * PROFILE.lookup_s(128, 32)
+    sessions = multi_turn(8, turns=2, seed=1, system_tokens=20_000, shared_prefixes=2,
+                          user_tokens=50, answer_tokens=4)
+    assert len({tuple(s.system) for s in sessions}) <= 2  # agents sharing their context
+    profile = replace(PROFILE, num_blocks=20_000)
+    aware = simulate(profile, 16, 48, "kv_aware", sessions, rate=2.0)
+    blind = simulate(profile, 16, 48, "round_robin", sessions, rate=2.0)
+    assert aware["completed"] == blind["completed"] == 16
+    # Second turns and shared contexts hit where the index sends them, rarely by chance.
+    assert aware["hit_ratio"] > 0.4 and aware["hit_ratio"] > 2 * blind["hit_ratio"]

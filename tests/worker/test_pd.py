@@ -7,6 +7,7 @@ import uuid
 import pytest
 import redis
 
+from common.registry import RedisKeys
 from engine import SamplingParams
 from tandem.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
 
@@ -147,7 +148,7 @@ def test_killed_worker_vanishes_from_redis_within_ttl(tiny_folder, workdir):
     w = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=ns, ttl=2)
     try:
         w.prefill("reg-1", prompts(3)[2], {"temperature": 0, "max_tokens": 1})
-        wkey, bkey = f"tandem:{ns}:worker:{w.worker_id}", f"tandem:{ns}:blocks:{w.worker_id}"
+        wkey, bkey = RedisKeys(ns).worker(w.worker_id), RedisKeys(ns).blocks(w.worker_id)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not r.scard(bkey):
             time.sleep(0.05)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from common.registry import RedisKeys
 from engine import LLM, SamplingParams
 from tandem.cluster import Worker, free_port, pd_generate, series_sum
 
@@ -162,7 +163,7 @@ def test_redis_outage_drops_no_request_and_index_heals(tiny_folder, workdir, tmp
     ns = f"outage-{uuid.uuid4().hex[:6]}"
     w = Worker("colocated", str(tiny_folder), cache_dir=workdir, token=None,
                extra=["--redis-url", f"redis://127.0.0.1:{port}/0", "--namespace", ns])
-    bkey = f"tandem:{ns}:blocks:{w.worker_id}"
+    bkey = RedisKeys(ns).blocks(w.worker_id)
     try:
         w.generate("before", list(range(10, 30)), GREEDY)
         time.sleep(0.3)
@@ -180,7 +181,7 @@ def test_redis_outage_drops_no_request_and_index_heals(tiny_folder, workdir, tmp
             time.sleep(0.1)
         # The full rewrite restored every cached block, including those made during the outage.
         assert client.scard(bkey) >= 4 * 7
-        assert client.exists(f"tandem:{ns}:worker:{w.worker_id}")
+        assert client.exists(RedisKeys(ns).worker(w.worker_id))
     finally:
         w.close()
         server.kill()
