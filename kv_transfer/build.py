@@ -3,6 +3,8 @@
     python -m kv_transfer.build [--out PATH] [--arch 80,90]
 
 CUDA code must compile even on machines without a GPU (CI does this); running it needs one.
+It imports neither torch nor the rest of the package, so the CUDA image's build stage (an
+nvcc image with only Python) runs this same command (docker/Dockerfile, target `kernels`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kv_transfer.kernels import library_path
-
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kv_kernels.cu"
+LIBRARY = Path(__file__).resolve().parent / "_lib" / "libtandem_kv.so"  # = kernels.library_path()
 DEFAULT_ARCHS = ("80", "90")
 
 
@@ -28,7 +29,7 @@ def build(out: Path | None = None, archs: tuple[str, ...] = DEFAULT_ARCHS) -> Pa
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found; install the CUDA toolkit to build the kernels")
-    out = out or library_path()
+    out = out or LIBRARY
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17"]
     for arch in archs:

@@ -13,6 +13,8 @@ import yaml
 from tests.deploy.tools import ROOT, find
 
 CHART = ROOT / "charts" / "tandem"
+CRDS = ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")
+PROMTOOL = find("promtool")
 HELM = find("helm")
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (run `make tools`)")
 
@@ -24,8 +26,9 @@ def render(*args: str) -> list[dict]:
 
 
 def validate(docs: list[dict]) -> None:
-    # CRDs (ServiceMonitor) have no schema in the bundle; everything else must pass --strict.
-    core = [d for d in docs if d["apiVersion"] != "monitoring.coreos.com/v1"]
+    # CRDs (ServiceMonitor, PrometheusRule, KEDA's ScaledObject) have no schema in the bundle;
+    # everything else must pass --strict.
+    core = [d for d in docs if d["apiVersion"] not in CRDS]
     validator = Path(sys.executable).parent / "kubernetes-validate"
     r = subprocess.run([str(validator), "--strict", "-k", "1.37.0", "-"], input=yaml.safe_dump_all(core),
                        capture_output=True, text=True)
@@ -57,6 +60,7 @@ def test_default_values_render_valid_manifests():
         assert any(a.startswith("--redis-url=redis://rel-tandem-redis:6379") for a in c["args"])
     worker = deps["rel-tandem-decode"]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in worker["containers"][0]["resources"]["limits"]
+    assert "add" not in worker["containers"][0]["securityContext"]["capabilities"]  # no RDMA
     assert worker["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     # The router's command line must be one our CLI accepts.
     from tandem.cli import build_parser
@@ -74,7 +78,7 @@ def test_default_values_render_valid_manifests():
 def test_network_policy_only_router_reaches_workers_and_only_workers_reach_kv_ports():
     docs = render()
     pol = by_kind(docs, "NetworkPolicy")["rel-tandem-workers"]
-    http_rule, kv_rule = pol["spec"]["ingress"]
+    http_rule, kv_rule, metrics_rule = pol["spec"]["ingress"]
     assert [p["port"] for p in http_rule["ports"]] == [8200]
     sources = [f["podSelector"]["matchLabels"] for f in http_rule["from"]]
     assert {"app.kubernetes.io/component": "router", "app.kubernetes.io/name": "tandem",
@@ -82,6 +86,47 @@ def test_network_policy_only_router_reaches_workers_and_only_workers_reach_kv_po
     assert [p["port"] for p in kv_rule["ports"]] == [9000]
     assert [f["podSelector"]["matchLabels"] for f in kv_rule["from"]] == [
         {"app.kubernetes.io/instance": "rel", "tandem.dev/pool": "worker"}]
+
+
+def _admits(rule: dict, pod_labels: dict, namespace_labels: dict, port: int) -> bool:
+    """Does one NetworkPolicy ingress rule let a pod (labels, its namespace's labels) reach `port`?
+    (matchLabels selectors, as this chart writes them.)"""
+    if port not in [p["port"] for p in rule.get("ports", [])]:
+        return False
+    if "from" not in rule:
+        return True
+    for peer in rule["from"]:
+        ns_sel = peer.get("namespaceSelector")
+        pod_sel = peer.get("podSelector")
+        ns_ok = ns_sel is not None and all(namespace_labels.get(k) == v
+                                           for k, v in ns_sel.get("matchLabels", {}).items())
+        pod_ok = pod_sel is not None and all(pod_labels.get(k) == v
+                                             for k, v in pod_sel.get("matchLabels", {}).items())
+        if ns_sel is not None and pod_sel is not None and ns_ok and pod_ok:
+            return True
+        if ns_sel is not None and pod_sel is None and ns_ok:
+            return True
+        if ns_sel is None and pod_sel is not None and pod_ok and namespace_labels.get("self"):
+            return True
+    return False
+
+
+def test_prometheus_in_the_monitoring_namespace_may_scrape_workers_and_nothing_else_may():
+    docs = render("--set", "networkPolicy.routerIngressFrom[0].podSelector.matchLabels.role=gateway")
+    pols = by_kind(docs, "NetworkPolicy")
+    workers, router = pols["rel-tandem-workers"], pols["rel-tandem-router"]
+    deps = by_kind(docs, "Deployment")
+    worker_port = deps["rel-tandem-decode"]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    prometheus = ({"app.kubernetes.io/name": "prometheus"}, {"kubernetes.io/metadata.name": "monitoring"})
+    stranger = ({"app": "curious"}, {"kubernetes.io/metadata.name": "default"})
+    assert any(_admits(r, *prometheus, worker_port) for r in workers["spec"]["ingress"])
+    assert not any(_admits(r, *stranger, worker_port) for r in workers["spec"]["ingress"])
+    assert not any(_admits(r, *prometheus, 9000) for r in workers["spec"]["ingress"])  # KV port
+    assert any(_admits(r, *prometheus, 8000) for r in router["spec"]["ingress"])
+    assert not any(_admits(r, *stranger, 8000) for r in router["spec"]["ingress"])
+    # The Deployments' pod annotations point Prometheus at that same port.
+    pod = deps["rel-tandem-decode"]["spec"]["template"]["metadata"]
+    assert pod["annotations"]["prometheus.io/port"] == str(worker_port)
 
 
 def test_gpu_rdma_values_render_valid_manifests():
@@ -96,6 +141,8 @@ def test_gpu_rdma_values_render_valid_manifests():
             assert c["resources"][side]["nvidia.com/gpu"] == 1
             assert c["resources"][side]["rdma/hca"] == 1
         assert "--device=cuda" in c["args"] and "--transport=nixl" in c["args"]
+        caps = c["securityContext"]["capabilities"]
+        assert caps["drop"] == ["ALL"] and caps["add"] == ["IPC_LOCK"]  # pinned memory for RDMA
         assert any(a == "--redis-url=redis://redis.infra.svc:6379/0" for a in c["args"])
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
@@ -111,3 +158,95 @@ def test_external_redis_is_required_when_the_bundled_one_is_off():
     r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "redis.enabled=false"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "redis.externalUrl is required" in r.stderr
+
+
+def test_redis_cluster_mode_passes_the_flag_to_every_service():
+    docs = render("--set", "redis.enabled=false", "--set", "redis.cluster=true",
+                  "--set", "redis.externalUrl=redis://redis-cluster.infra.svc:6379")
+    validate(docs)
+    deps = by_kind(docs, "Deployment")
+    assert "rel-tandem-redis" not in deps
+    from tandem.cli import build_parser
+
+    for name in ("rel-tandem-router", "rel-tandem-prefill", "rel-tandem-decode"):
+        args = deps[name]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--redis-cluster" in args
+        parsed = build_parser().parse_args((["router"] if name.endswith("router") else []) + args)
+        assert parsed.redis_cluster is True
+    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "redis.cluster=true"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "redis.cluster needs redis.externalUrl" in r.stderr
+
+
+def test_autoscaling_is_cpu_alone_unless_a_metrics_provider_is_named():
+    hpa = by_kind(render(), "HorizontalPodAutoscaler")["rel-tandem-router"]
+    assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource"]  # metrics-server suffices
+    docs = render("--set", "router.autoscaling.inflight.provider=prometheus-adapter")
+    validate(docs)
+    metrics = by_kind(docs, "HorizontalPodAutoscaler")["rel-tandem-router"]["spec"]["metrics"]
+    assert metrics[0]["pods"]["metric"]["name"] == "tandem_router_inflight_requests"
+    docs = render("--set", "router.autoscaling.inflight.provider=keda")
+    validate(docs)
+    assert not by_kind(docs, "HorizontalPodAutoscaler")  # KEDA makes its own
+    scaled = by_kind(docs, "ScaledObject")["rel-tandem-router"]
+    prom = scaled["spec"]["triggers"][0]
+    assert prom["type"] == "prometheus" and "tandem_router_inflight_requests" in prom["metadata"]["query"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] in by_kind(docs, "Deployment")
+    assert not by_kind(render("--set", "router.autoscaling.enabled=false"), "HorizontalPodAutoscaler")
+    r = subprocess.run([HELM, "template", "rel", str(CHART),
+                        "--set", "router.autoscaling.inflight.provider=bogus"], capture_output=True, text=True)
+    assert r.returncode != 0 and "prometheus-adapter" in r.stderr and "keda" in r.stderr
+
+
+def test_prometheus_rule_has_the_compose_alerts_scoped_to_the_release(tmp_path):
+    docs = render("--set", "prometheusRule.enabled=true")
+    rule = by_kind(docs, "PrometheusRule")["rel-tandem"]
+    chart_rules = rule["spec"]["groups"][0]["rules"]
+    compose = yaml.safe_load((ROOT / "docker" / "prometheus" / "alerts.yml").read_text())
+    compose_rules = compose["groups"][0]["rules"]
+    def strip(r):
+        return {k: v for k, v in r.items() if k != "expr"}
+    assert [strip(r) for r in chart_rules] == [strip(r) for r in compose_rules]
+    for r in chart_rules:  # every series selected belongs to this release's jobs
+        assert r["expr"].count('job=~"rel-tandem-.*"') == r["expr"].count("{")
+    if PROMTOOL:
+        path = tmp_path / "rules.yml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        r = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_helm_test_hook_sends_one_chat_request_to_the_router():
+    docs = render("--set", "apiKeys={k1,k2}")
+    pod = by_kind(docs, "Pod")["rel-tandem-test-chat"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert c["args"][1:] == ["smollm2-135m-instruct", "http://rel-tandem-router:8000/v1/chat/completions"]
+    assert by_kind(docs, "Service")["rel-tandem-router"]["spec"]["ports"][0]["port"] == 8000
+    compile(c["args"][0], "helm-test", "exec")  # the script is valid Python
+    assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "rel-tandem-secrets", "key": "keys"}
+
+
+def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
+    args = ("--set", "internalTokenSecret.name=vault-tandem", "--set", "internalTokenSecret.key=token")
+    docs = render(*args)
+    validate(docs)
+    assert "rel-tandem-secrets" not in by_kind(docs, "Secret")  # no API keys either: no Secret
+    for d in by_kind(docs, "Deployment").values():
+        if d["metadata"]["name"].endswith("redis"):
+            continue
+        env = {e["name"]: e for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "vault-tandem", "key": "token"}
+    assert render(*args) == docs  # GitOps: two renders, one result
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("router.replicas=two", "/router/replicas"),
+    ("prefill.transport=udp", "/prefill/transport"),
+    ("decode.gpus=-1", "/decode/gpus"),
+    ("redis.cluster=yes", "/redis/cluster"),
+    ("router.polcy=kv_aware", "polcy"),  # a typo is refused, not ignored
+])
+def test_the_values_schema_refuses_bad_values_at_install(flag, message):
+    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", flag], capture_output=True, text=True)
+    assert r.returncode != 0 and "schema" in r.stderr and message in r.stderr, r.stderr

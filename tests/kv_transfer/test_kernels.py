@@ -99,3 +99,18 @@ def test_gpu_kernels_match_references(cuda_lib, dtype):
     assert torch.equal(sk, sr) and torch.equal(qk, qr)
     assert torch.equal(kernels.fp8_unpack(qk, sk, dtype, use_kernel=True),
                        kernels.fp8_unpack(qr, sr, dtype, use_kernel=False))
+
+
+def test_the_build_module_needs_no_torch_and_agrees_with_the_loader():
+    """The CUDA image builds the kernels in an nvcc image without torch (docker/Dockerfile)."""
+    import subprocess
+    import sys
+
+    from kv_transfer import build
+    from kv_transfer.kernels import library_path
+
+    assert build.LIBRARY == library_path()
+    code = ("import sys, runpy; sys.modules['torch'] = None; "
+            "sys.argv = ['build', '--help']; runpy.run_module('kv_transfer.build', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=build.SOURCE.parents[2])
+    assert r.returncode == 0 and "--arch" in r.stdout, r.stderr

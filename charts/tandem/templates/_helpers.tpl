@@ -17,7 +17,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "tandem.redisUrl" -}}
+{{- if and .Values.redis.enabled .Values.redis.cluster -}}{{ fail "redis.cluster needs redis.externalUrl (a node of your Redis Cluster) and redis.enabled=false" }}{{- end -}}
 {{- if .Values.redis.enabled -}}redis://{{ include "tandem.fullname" . }}-redis:6379/0{{- else -}}{{ required "redis.externalUrl is required when redis.enabled=false" .Values.redis.externalUrl }}{{- end -}}
 {{- end -}}
 
 {{- define "tandem.secretName" -}}{{ include "tandem.fullname" . }}-secrets{{- end -}}
+
+
+{{- define "tandem.tokenSecretRef" -}}
+{secretKeyRef: {name: {{ .Values.internalTokenSecret.name | default (include "tandem.secretName" .) }}, key: {{ .Values.internalTokenSecret.key | default "internal-token" }}}}
+{{- end -}}

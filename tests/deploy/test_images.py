@@ -1,0 +1,73 @@
+"""The images' recipes: the CUDA worker target compiles the KV kernels (the same build command
+runs here with nvcc, compile-only) and puts them where the loader looks; compose's GPU profile
+reserves a GPU per worker and runs that image."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kv_transfer.build import nvcc_path
+from kv_transfer.kernels import LIB_NAME
+from tests.deploy.tools import ROOT
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def stages() -> dict[str, str]:
+    """Stage name -> its text (from its FROM line to the next)."""
+    text = DOCKERFILE.read_text()
+    parts = re.split(r"^(?=FROM )", text, flags=re.M)
+    out = {}
+    for part in parts[1:]:
+        name = re.match(r"FROM \S+ AS (\S+)", part)
+        if name:
+            out[name.group(1)] = part
+    return out
+
+
+def test_the_cuda_worker_ships_the_kernels_where_the_loader_looks():
+    s = stages()
+    assert {"kernels", "worker-cuda-build", "worker-cuda", "worker"} <= set(s)
+    assert list(s)[-1] == "worker"  # a plain `docker build` still gives the CPU worker
+    copy = re.search(r"COPY --from=kernels (\S+) (\S+)", s["worker-cuda"])
+    assert copy and copy.group(2).endswith(f"/site-packages/kv_transfer/_lib/{LIB_NAME}")
+    assert "whl/cu1" in s["worker-cuda-build"] and '".[worker]"' in s["worker-cuda-build"]
+    run = re.search(r"^RUN (python3 -m kv_transfer\.build .*)$", s["kernels"], flags=re.M)
+    assert run and copy.group(1) in run.group(1)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_the_kernels_stage_command_compiles_here_for_sm80_and_sm90(tmp_path):
+    run = re.search(r"^RUN python3 -m (kv_transfer\.build .*)$", stages()["kernels"], flags=re.M)
+    args = shlex.split(run.group(1))
+    out = tmp_path / LIB_NAME
+    args[args.index("--out") + 1] = str(out)
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert out.stat().st_size > 0
+    binary = out.read_bytes()  # the fat binary names the architectures it carries code for
+    assert b"sm_80" in binary and b"sm_90" in binary
+
+
+def test_compose_gpu_profile_reserves_a_gpu_per_worker_and_runs_the_cuda_image():
+    from tandem.cli import build_parser
+
+    compose = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())
+    gpu = {n: s for n, s in compose["services"].items() if "gpu" in s.get("profiles", [])}
+    assert {"prefill-gpu", "decode-gpu"} <= set(gpu)
+    for name, svc in gpu.items():
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        assert svc["build"]["target"] == "worker-cuda" and svc["image"].endswith("latest-cuda")
+        args = build_parser().parse_args(svc["command"])
+        assert args.device == "cuda" and args.advertise_host == name
+    # No service falls back to a default token.
+    for svc in compose["services"].values():
+        token = (svc.get("environment") or {}).get("TANDEM_INTERNAL_TOKEN")
+        assert token is None or token.startswith("${TANDEM_INTERNAL_TOKEN:?")
