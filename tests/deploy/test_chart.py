@@ -250,3 +250,105 @@ def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
 def test_the_values_schema_refuses_bad_values_at_install(flag, message):
     r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", flag], capture_output=True, text=True)
     assert r.returncode != 0 and "schema" in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("source", "sets", "volume_key"), [
+    ("pvc", ["model.pvc.claimName=llama-weights", "model.pvc.subPath=llama-3.1-8b"], "persistentVolumeClaim"),
+    ("hostPath", ["model.hostPath.path=/mnt/models/llama-3.1-8b"], "hostPath"),
+    ("imageVolume", ["model.imageVolume.reference=registry.example/models/llama:3.1-8b"], "image"),
+    ("huggingface", ["model.huggingface.repo=meta-llama/Llama-3.1-8B-Instruct",
+                     "model.huggingface.endpoint=http://hf-mirror.infra:8080",
+                     "model.huggingface.tokenSecret.name=hf-token"], "emptyDir"),
+])
+def test_models_come_from_outside_the_image_for_workers_and_router(source, sets, volume_key):
+    from tandem.cli import build_parser
+
+    args = ["--set", "model.name=llama-3.1-8b", "--set", f"model.source={source}"]
+    for s in sets:
+        args += ["--set", s]
+    docs = render(*args)
+    validate(docs)
+    deps = by_kind(docs, "Deployment")
+    for name in ("rel-tandem-router", "rel-tandem-prefill", "rel-tandem-decode"):
+        spec = deps[name]["spec"]["template"]["spec"]
+        volume = {v["name"]: v for v in spec["volumes"]}["model"]
+        assert volume_key in volume
+        c = spec["containers"][0]
+        mount = {m["name"]: m for m in c["volumeMounts"]}["model"]
+        assert mount["mountPath"] == "/models/llama-3.1-8b"
+        if source == "pvc":
+            assert mount["subPath"] == "llama-3.1-8b" and volume[volume_key]["readOnly"] is True
+        if name.endswith("router"):
+            assert "--tokenizer=/models/llama-3.1-8b" in c["args"]
+        else:
+            assert "--model=/models/llama-3.1-8b" in c["args"]
+        inits = spec.get("initContainers", [])
+        if source != "huggingface":
+            assert not inits
+            continue
+        (init,) = inits
+        assert init["command"] == ["tandem"]
+        parsed = build_parser().parse_args(init["args"])  # a command line our CLI accepts
+        assert parsed.hf_repo == "meta-llama/Llama-3.1-8B-Instruct" and parsed.out == "/models/llama-3.1-8b"
+        assert parsed.tokenizer_only is name.endswith("router")  # the router takes no weights
+        env = {e["name"]: e for e in init["env"]}
+        assert env["HF_ENDPOINT"]["value"] == "http://hf-mirror.infra:8080"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models/llama-3.1-8b"}]
+
+
+def test_a_model_source_without_its_location_is_refused():
+    for source, message in (("pvc", "model.pvc.claimName is required"),
+                            ("huggingface", "model.huggingface.repo is required")):
+        r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", f"model.source={source}"],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+VALUES_FILES = sorted(CHART.glob("values*.yaml"))
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=lambda p: p.name)
+def test_every_values_file_lints_and_renders_valid_manifests(values):
+    r = subprocess.run([HELM, "lint", "--strict", str(CHART), "-f", str(values)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    validate(render("-f", str(values)))
+
+
+def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
+    from tandem.cli import build_parser
+
+    assert {p.name for p in VALUES_FILES} >= {"values.yaml", "values-gpu-vllm.yaml", "values-gpu-rdma.yaml"}
+    docs = render("-f", str(CHART / "values-gpu-vllm.yaml"), "--set", "decode.gpus=2")
+    sets = by_kind(docs, "StatefulSet")
+    assert set(sets) == {"rel-tandem-prefill", "rel-tandem-decode"}
+    assert not {"rel-tandem-prefill", "rel-tandem-decode"} & set(by_kind(docs, "Deployment"))
+    urls = []
+    for role, gpus in (("prefill", 1), ("decode", 2)):
+        sts = sets[f"rel-tandem-{role}"]
+        assert sts["spec"]["serviceName"] == f"rel-tandem-{role}"
+        assert by_kind(docs, "Service")[f"rel-tandem-{role}"]["spec"]["clusterIP"] == "None"
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        assert c["image"].startswith("vllm/vllm-openai:")
+        args = c["args"]
+        assert '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}' in args
+        assert f"--tensor-parallel-size={gpus}" in args and "--served-model-name=llama-3.1-8b-instruct" in args
+        assert "--model=/models/llama-3.1-8b-instruct" in args
+        for side in ("requests", "limits"):
+            assert c["resources"][side]["nvidia.com/gpu"] == gpus
+        env = {e["name"]: e for e in c["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "9000"
+        assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "internal-token"
+        shm = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}["dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+        urls += [f"http://rel-tandem-{role}-{i}.rel-tandem-{role}.default.svc:8200" for i in range(2)]
+    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(["router", *router["args"]])
+    from router.workers import parse_static
+
+    listed = [parse_static(w) for w in parsed.workers]
+    assert [(b, url) for b, _, url, _ in listed] == [("vllm", u) for u in urls]
+    assert {m for *_, m in listed} == {"llama-3.1-8b-instruct"}
+    env = {e["name"]: e for e in router["env"]}
+    assert env["TANDEM_ROUTER_VLLM_API_KEY"]["valueFrom"] == env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]

@@ -42,6 +42,29 @@ def exported_series() -> set[str]:
     return names
 
 
+def dashboard_variables() -> dict[str, str]:
+    """The dashboard's query variables: name -> `label_values(metric, label)`."""
+    dash = json.loads(DASHBOARD.read_text())
+    return {v["name"]: v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"}
+
+
+def variable_values(api: httpx.Client) -> dict[str, list[str]]:
+    """What Grafana offers for each variable, asked of Prometheus as Grafana asks it."""
+    out = {}
+    for name, definition in dashboard_variables().items():
+        metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", definition).groups()
+        r = api.get(f"/api/v1/label/{label}/values", params={"match[]": metric})
+        out[name] = r.json()["data"]
+    return out
+
+
+def substitute(expr: str, values: dict[str, list[str]]) -> str:
+    """`expr` as Grafana sends it: each variable as the regex of its values ("All" if none)."""
+    for name, vals in values.items():
+        expr = expr.replace(f"${name}", "|".join(vals) if vals else ".*")
+    return expr.replace("$__rate_interval", "1m")
+
+
 def dashboard_exprs() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     return [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -129,9 +152,12 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
                Worker("decode", str(tiny_folder), cache_dir=tmp_path, namespace=ns)]
     router = Router(tiny_folder, ns, cache_dir=tmp_path)
     port = free_port()
+    # Job names as a ServiceMonitor gives them under Helm (one per Service: <release>-tandem-<x>),
+    # not compose's: the dashboard must find the router's job through its variable.
     cfg = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": "tandem-router", "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
-        {"job_name": "tandem-worker", "static_configs": [{"targets": [f"127.0.0.1:{w.port}" for w in workers]}]}]}
+        {"job_name": "rel-tandem-router", "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
+        {"job_name": "rel-tandem-prefill", "static_configs": [{"targets": [f"127.0.0.1:{w.port}" for w in workers[:2]]}]},
+        {"job_name": "rel-tandem-decode", "static_configs": [{"targets": [f"127.0.0.1:{workers[2].port}"]}]}]}
     (tmp_path / "prom.yml").write_text(yaml.safe_dump(cfg))
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prom.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -139,9 +165,9 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
     try:
         router.wait_workers(3)
         msgs = [{"role": "system", "content": "You are a careful assistant who answers briefly."}]
-        hit = next(e for e in dashboard_exprs() if "tandem_prefix_cache_hit_tokens_total" in e)
-        query = hit.replace("$__rate_interval", "1m")
         api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+        hit = next(e for e in dashboard_exprs() if "tandem_prefix_cache_hit_tokens_total" in e)
+        query = None
         deadline, value, up = time.monotonic() + 90, None, None
         turn = 0
         while time.monotonic() < deadline:
@@ -154,6 +180,10 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
             turn += 1
             try:
                 up = api.get("/api/v1/query", params={"query": "sum(up)"}).json()["data"]["result"]
+                values = variable_values(api)
+                if not values["router_job"]:
+                    continue
+                query = substitute(hit, values)
                 res = api.get("/api/v1/query", params={"query": query}).json()["data"]["result"]
                 if res and up and float(up[0]["value"][1]) == 4 and float(res[0]["value"][1]) > 0:
                     value = float(res[0]["value"][1])
@@ -165,6 +195,17 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
         assert 0 < value < 1  # later turns hit the earlier turns' blocks; the first turn cannot
         workers_up = api.get("/api/v1/query", params={"query": 'count(tandem_worker_kv_usage)'}).json()
         assert float(workers_up["data"]["result"][0]["value"][1]) == 3
+        values = variable_values(api)
+        assert values["router_job"] == ["rel-tandem-router"] and values["model"] == ["tiny-random"]
+        # Every panel's query is valid PromQL with the variables as Grafana fills them, for "All"
+        # and for the one model, and most panels show data.
+        for model in (".*", "tiny-random"):
+            answered = 0
+            for expr in dashboard_exprs():
+                r = api.get("/api/v1/query", params={"query": substitute(expr, {**values, "model": [model]})})
+                assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
+                answered += bool(r.json()["data"]["result"])
+            assert answered >= 20, answered
     finally:
         prom.terminate()
         prom.wait(10)

@@ -27,3 +27,125 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "tandem.tokenSecretRef" -}}
 {secretKeyRef: {name: {{ .Values.internalTokenSecret.name | default (include "tandem.secretName" .) }}, key: {{ .Values.internalTokenSecret.key | default "internal-token" }}}}
 {{- end -}}
+
+
+{{- /* The model folder at /models/<name> (model.source): a volume, its mount, and for
+huggingface an init container that downloads it (`tokenizerOnly` for the router). */ -}}
+{{- define "tandem.modelVolume" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim: {claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}, readOnly: true}
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath: {path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}, type: Directory}
+{{- else if eq $m.source "imageVolume" }}
+- name: model
+  image: {reference: {{ required "model.imageVolume.reference is required with model.source=imageVolume" $m.imageVolume.reference }}, pullPolicy: {{ $m.imageVolume.pullPolicy }}}
+{{- else if eq $m.source "huggingface" }}
+- name: model
+  emptyDir: {sizeLimit: {{ $m.huggingface.sizeLimit }}}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.modelMount" -}}
+{{- $m := .Values.model -}}
+{{- if ne $m.source "image" }}
+- name: model
+  mountPath: /models/{{ $m.name }}
+  {{- if and (eq $m.source "pvc") $m.pvc.subPath }}
+  subPath: {{ $m.pvc.subPath }}
+  {{- end }}
+  readOnly: {{ ne $m.source "huggingface" }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.modelInit" -}}
+{{- $m := .root.Values.model -}}
+{{- if eq $m.source "huggingface" }}
+- name: download-model
+  image: {{ .image | quote }}
+  command: [tandem]
+  args:
+    - prepare-model
+    - --hf-repo={{ required "model.huggingface.repo is required with model.source=huggingface" $m.huggingface.repo }}
+    {{- with $m.huggingface.revision }}
+    - --revision={{ . }}
+    {{- end }}
+    - --out=/models/{{ $m.name }}
+    {{- if .tokenizerOnly }}
+    - --tokenizer-only
+    {{- end }}
+  env:
+    - {name: HF_HOME, value: /tmp/hf}
+    {{- with $m.huggingface.endpoint }}
+    - {name: HF_ENDPOINT, value: {{ . | quote }}}
+    {{- end }}
+    {{- with $m.huggingface.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $m.huggingface.tokenSecret.key }}}}
+    {{- end }}
+  securityContext: {{- toYaml .root.Values.securityContext | nindent 4 }}
+  volumeMounts: [{name: model, mountPath: /models/{{ $m.name }}}]
+{{- end }}
+{{- end -}}
+
+
+{{- /* A vLLM OpenAI server with the NixlConnector, as a prefill or decode worker behind Tandem's
+router (router/vllm_backend.py): the NIXL side channel on the worker's KV port, the internal
+token as vLLM's API key. */ -}}
+{{- define "tandem.vllmContainer" -}}
+{{- $root := .root -}}
+{{- $w := .w -}}
+{{- $v := $root.Values.vllm -}}
+- name: worker
+  image: "{{ $v.image.repository }}:{{ $v.image.tag }}"
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: [python3, -m, vllm.entrypoints.openai.api_server]
+  args:
+    - --model=/models/{{ $root.Values.model.name }}
+    - --served-model-name={{ $root.Values.model.name }}
+    - --host=0.0.0.0
+    - --port={{ $w.port }}
+    - --block-size={{ $root.Values.model.blockSize }}
+    - --tensor-parallel-size={{ $w.gpus | default 1 }}
+    - --gpu-memory-utilization={{ $v.gpuMemoryUtilization }}
+    - --max-num-seqs={{ $w.maxNumSeqs }}
+    {{- with $v.maxModelLen }}
+    - --max-model-len={{ . }}
+    {{- end }}
+    - '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+    {{- range concat $v.extraArgs $w.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+    - {name: HOME, value: /tmp}  # a non-root user: vLLM's caches go under $HOME
+    - {name: VLLM_NIXL_SIDE_CHANNEL_HOST, value: $(POD_IP)}
+    - {name: VLLM_NIXL_SIDE_CHANNEL_PORT, value: {{ $w.transportPort | quote }}}
+    - name: VLLM_API_KEY
+      valueFrom: {{ include "tandem.tokenSecretRef" $root }}
+    {{- with $w.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - {name: http, containerPort: {{ $w.port }}}
+    - {name: kv, containerPort: {{ $w.transportPort }}}
+  # vLLM answers /health once the engine is up; loading a large model takes minutes.
+  startupProbe: {httpGet: {path: /health, port: http}, periodSeconds: 10, failureThreshold: 180}
+  livenessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 10, timeoutSeconds: 5}
+  readinessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 5, timeoutSeconds: 3}
+{{- end -}}
+
+{{- /* With engine: vllm the router lists every vLLM pod (StatefulSet DNS names). */ -}}
+{{- define "tandem.vllmWorkers" -}}
+{{- $root := . -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $w := index $root.Values $role }}
+{{- $name := printf "%s-%s" (include "tandem.fullname" $root) $role }}
+{{- range $i := until (int $w.replicas) }}
+- --worker=vllm:{{ $role }}=http://{{ $name }}-{{ $i }}.{{ $name }}.{{ $root.Release.Namespace }}.svc:{{ $w.port }},model={{ $root.Values.model.name }}
+{{- end }}
+{{- end }}
+{{- end -}}
