@@ -162,7 +162,9 @@ class Gateway:
         index = self.index or model.memory_index
         try:
             matches = await index.match(hashes, ids) if ids else {}
-            self.metrics.redis_up.set(1)
+            # The replica answers from memory even while Redis is away (a stale copy costs
+            # misses only): the gauge says whether Redis itself answers, as the directory sees.
+            self.metrics.redis_up.set(0 if self.directory.redis_ok is False else 1)
         except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
             log.warning("prefix index unavailable (%s): load-only routing", e)
             self.metrics.redis_up.set(0)

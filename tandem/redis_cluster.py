@@ -56,8 +56,9 @@ class LocalRedisCluster:
 
     @property
     def url(self) -> str:
-        """Any one node: the clients learn the rest."""
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
+        """A live node: the clients learn the rest from it (a client given only a dead node
+        cannot start, so after `kill` this names another one)."""
+        return f"redis://127.0.0.1:{self.live_ports()[0]}/0"
 
     def _start(self, port: int) -> None:
         node_dir = self.dir / f"node-{port}"

@@ -104,7 +104,7 @@ def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_pa
             server.stop()
             results = [f.result() for f in futures]
         assert results == ["length"] * 120
-        assert r.metrics()["tandem_redis_up"] == 0  # it really routed without the index
+        assert r.metrics()["tandem_redis_up"] == 0  # it really routed without Redis
         assert ask(999) == "length"
     finally:
         r.close()
