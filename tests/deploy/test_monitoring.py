@@ -181,11 +181,10 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
             try:
                 up = api.get("/api/v1/query", params={"query": "sum(up)"}).json()["data"]["result"]
                 values = variable_values(api)
-                if not values["router_job"]:
-                    continue
                 query = substitute(hit, values)
                 res = api.get("/api/v1/query", params={"query": query}).json()["data"]["result"]
-                if res and up and float(up[0]["value"][1]) == 4 and float(res[0]["value"][1]) > 0:
+                if (values["router_job"] and res and up and float(up[0]["value"][1]) == 4
+                        and float(res[0]["value"][1]) > 0):
                     value = float(res[0]["value"][1])
                     break
             except (httpx.HTTPError, KeyError):
@@ -198,14 +197,16 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
         values = variable_values(api)
         assert values["router_job"] == ["rel-tandem-router"] and values["model"] == ["tiny-random"]
         # Every panel's query is valid PromQL with the variables as Grafana fills them, for "All"
-        # and for the one model, and most panels show data.
+        # and for the one model; the panels of what this traffic produced show data (retries,
+        # failures and the like may have no series yet).
+        produced = ("tandem_time_to_first_token_seconds", "tandem_requests_total", "tandem_route_decisions_total",
+                    "tandem_prefix_cache_hit_tokens_total", "tandem_worker_kv_usage", "tandem_live_workers")
         for model in (".*", "tiny-random"):
-            answered = 0
             for expr in dashboard_exprs():
                 r = api.get("/api/v1/query", params={"query": substitute(expr, {**values, "model": [model]})})
                 assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
-                answered += bool(r.json()["data"]["result"])
-            assert answered >= 20, answered
+                if any(name in expr for name in produced):
+                    assert r.json()["data"]["result"], (model, expr)
     finally:
         prom.terminate()
         prom.wait(10)
