@@ -191,6 +191,12 @@ class MemoryPrefixIndex:
     def stats(self) -> dict:
         return {"backend": "memory", "workers": len(self._sets)}
 
+    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+        pass  # it learns from routing, not from registrations
+
+    async def run(self, interval_s: float) -> None:
+        pass
+
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         out = {}
         for w in worker_ids:

@@ -101,3 +101,14 @@ def test_directory_keeps_workers_through_a_redis_data_loss_but_drops_a_dead_one(
         await r.aclose()
 
     run(go())
+
+
+def test_every_index_backend_has_the_whole_protocol():
+    from router.index import INDEXES, PrefixIndex
+
+    wanted = {n for n in vars(PrefixIndex) if not n.startswith("_")}
+    for cls in (*INDEXES.values(), MemoryPrefixIndex):
+        assert wanted <= set(dir(cls)), (cls.__name__, wanted - set(dir(cls)))
+    idx = MemoryPrefixIndex()
+    idx.track({"w": ""}, data_lost=True)  # no-ops, as a directory with Redis calls them
+    run(idx.run(0.01))
