@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test test-vllm lint kernels bench-engine bench-kv clean
+.PHONY: install tools demo test test-vllm lint kernels bench-engine bench-kv gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench-kv: install
 bench-engine: install
 	$(BIN)/tandem prepare-model
 	$(BIN)/python bench/engine.py
+
+# The wheels (and SmolLM2's tokenizer) that bench/gpu_check.sh installs on a GPU machine with no
+# network: `make gpu-wheels`, carry .whl/ there, run `bash bench/gpu_check.sh .whl OUT_DIR`.
+gpu-wheels: install
+	$(BIN)/tandem prepare-model
+	$(BIN)/python bench/gpu_wheels.py --dest .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

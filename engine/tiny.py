@@ -37,8 +37,15 @@ TINY_CONFIG = {
 }
 
 
-def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None) -> Path:
+def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None, *,
+                      device: str = "cpu", dtype: str = "float32",
+                      tokenizer_from: Path | None = None) -> Path:
     """Write config, seeded random weights and tokenizer into `out` (same seed, same bytes).
+
+    `config` overrides the tiny shape (a real model's shape makes a random model of real size;
+    `device="cuda"` draws its weights on the GPU, where gigabytes take seconds); `dtype` is the
+    stored dtype; `tokenizer_from` copies a real model folder's tokenizer and chat template
+    instead of writing the byte-level one (its vocabulary must fit the config's).
 
     Atomic: the folder is built under a temporary name and renamed into place, so processes that
     start together (a prefill and a decode worker) never read a half-written folder; if another
@@ -46,7 +53,7 @@ def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None) -> P
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    _write(tmp, seed, config)
+    _write(tmp, seed, config, device, dtype, tokenizer_from)
     try:
         os.rename(tmp, out)  # replaces an empty folder; refuses a full one
     except OSError:
@@ -56,19 +63,22 @@ def build_tiny_random(out: Path, seed: int = 0, config: dict | None = None) -> P
     return out
 
 
-def _write(out: Path, seed: int, config: dict | None) -> None:
+def _write(out: Path, seed: int, config: dict | None, device: str, dtype: str,
+           tokenizer_from: Path | None) -> None:
     import torch
     from safetensors.torch import save_file
 
     cfg = {**TINY_CONFIG, **(config or {})}
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    store = getattr(torch, dtype)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
 
     def rand(*shape: int, scale: float = 0.08) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
+        x = torch.randn(*shape, generator=gen, device=device).mul_(scale)
+        return x.to(store).cpu()
 
     state = {"model.embed_tokens.weight": rand(v, h, scale=1.0), "model.norm.weight": 1 + rand(h)}
     for i in range(cfg["num_hidden_layers"]):
@@ -94,7 +104,13 @@ def _write(out: Path, seed: int, config: dict | None) -> None:
         state["lm_head.weight"] = rand(v, h, scale=0.5)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    _write_tokenizer(out)
+    if tokenizer_from is None:
+        _write_tokenizer(out)
+        return
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json"):
+        if (Path(tokenizer_from) / name).is_file():
+            shutil.copy(Path(tokenizer_from) / name, out / name)
 
 
 def _write_tokenizer(out: Path) -> None:
