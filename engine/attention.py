@@ -8,6 +8,7 @@ one call per sequence (they are few and long).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,16 @@ class PrefillChunk:
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
 
 
+class AttentionBatch(Protocol):
+    """What a layer asks of a step's attention metadata: this backend's (SDPA here, Triton in
+    engine/triton_attention.py) KV store and attention over the paged cache."""
+
+    def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] int64, the block each new token's KV goes to
@@ -30,6 +41,13 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+
+    def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, self)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> torch.Tensor:
+        return paged_attention(q, kv_cache, self, scale, k_new, v_new)
 
 
 def write_kv(
@@ -65,7 +83,22 @@ def paged_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
         out[:nd] = od.squeeze(2)
-    for chunk in meta.prefills:
+    prefill_attention(q, kv_cache, meta.prefills, scale, k_new, v_new, out)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
+    chunks: list[PrefillChunk],
+    scale: float,
+    k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys
+    v_new: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], the chunks' rows are written
+) -> None:
+    """Causal SDPA of each prefill chunk over its cached context and itself (both backends)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    for chunk in chunks:
         s, n, ctx = chunk.query_start, chunk.num_query_tokens, chunk.context_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
         if ctx == n:
@@ -84,7 +117,6 @@ def paged_attention(
             mask = (k_pos <= q_pos)[None, None]
             op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
-    return out
 
 
 def _gather_blocks(

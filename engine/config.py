@@ -140,6 +140,12 @@ class EngineConfig:
     # memory, so the worker's API process, which runs the KV transfer, maps the same blocks as
     # the engine-core process that computes them (engine/core_client.py).
     kv_cache_path: str | None = None
+    # Decode attention: "triton" (paged kernels reading the cache in place; engine/
+    # triton_kernels.py) or "sdpa" (gather + SDPA, engine/attention.py). None: triton on CUDA,
+    # sdpa on CPU (where Triton runs only in its interpreter).
+    attention_backend: str | None = None
+    # No CUDA graphs: every step eager (vLLM's --enforce-eager). On CPU graphs are never used.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -154,6 +160,15 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1 (or None)")
         if self.max_long_prefills < 1:
             raise ValueError("max_long_prefills must be >= 1")
+        if self.attention_backend not in (None, "sdpa", "triton"):
+            raise ValueError(f"attention_backend must be sdpa or triton, got {self.attention_backend!r}")
+
+    @property
+    def attention(self) -> str:
+        """The attention backend in effect."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "sdpa"
 
     @property
     def torch_dtype_name(self) -> str:

@@ -80,7 +80,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_long_prefills)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device,
+                                  attention=config.attention, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

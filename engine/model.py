@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import AttentionBatch
 from engine.config import ModelConfig
 from engine.linear import PackedLinear, pack_linears
 from engine.rope import RotaryEmbedding
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [T]
         x: torch.Tensor,  # [T, hidden]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, kvh, d], this layer's view
-        meta: AttentionMetadata,
+        meta: AttentionBatch,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -56,8 +56,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        write_kv(kv_cache, k, v, meta)
-        o = paged_attention(q, kv_cache, meta, self.scale, k, v)
+        meta.store(kv_cache, k, v)
+        o = meta.attend(q, kv_cache, self.scale, k, v)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -121,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kvh, d]
-        meta: AttentionMetadata,
+        meta: AttentionBatch,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):

@@ -1,12 +1,20 @@
-"""Builds the flat token batch for one scheduler step and runs the model on it."""
+"""Builds the flat token batch for one scheduler step and runs the model on it.
+
+Two attention backends: `sdpa` (engine/attention.py; the CPU path, lists turned into tensors)
+and `triton` (engine/triton_attention.py; the GPU path: host arrays copied without a sync,
+decode-only steps replayed from CUDA graphs unless `enforce_eager`).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.input_buffers import InputBuffers, StepInputs, build_step_inputs, upload
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
+
+ATTENTION_BACKENDS = ("sdpa", "triton")
 
 
 class ModelRunner:
@@ -16,15 +24,42 @@ class ModelRunner:
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kvh, d]
         block_size: int,
         device: torch.device,
+        attention: str = "sdpa",
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        enforce_eager: bool = True,
     ) -> None:
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}; "
+                             f"known: {', '.join(ATTENTION_BACKENDS)}")
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.attention = attention
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = -(-max_model_len // block_size)
+        self.graphs = None  # engine.cuda_graph.DecodeGraphs once enabled
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 4)
+        if attention == "triton" and device.type == "cuda" and not enforce_eager:
+            self.enable_graphs(capture=True)
+
+    def enable_graphs(self, capture: bool) -> None:
+        """Serve decode-only steps from per-bucket graphs; `capture=False` calls the captured
+        functions directly (CPU tests of the bookkeeping: on CPU graphs are never used)."""
+        from engine.cuda_graph import DecodeGraphs  # imports triton: only where it is used
+
+        if self.attention != "triton":
+            raise ValueError("CUDA graphs need the triton attention backend")
+        buffers = InputBuffers(self.max_num_seqs, self.max_blocks, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, buffers, self.num_sms, capture)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns logits [num_sampling_rows, vocab] and the rows' sequences."""
+        if self.attention == "triton":
+            return self._execute_triton(batch)
         bs = self.block_size
         # Single-token work (decodes, and one-token prefill tails) shares one padded call.
         decodes = [s for s in batch if s.num_new_tokens == 1]
@@ -90,3 +125,33 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         index = torch.tensor(sample_index, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[index]), sample_rows
+
+    def _execute_triton(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        step = build_step_inputs(batch, self.block_size)
+        if (self.graphs is not None and not step.prefills
+                and self.graphs.bucket_for(step.num_decodes) is not None):
+            hidden = self.graphs.run(step)  # [num_decodes, hidden]
+        else:
+            hidden = self._eager_triton(step)  # [T, hidden]
+        if not step.sample_rows:
+            return hidden.new_empty((0, self.model.cfg.vocab_size)), []
+        if not step.samples_every_row:
+            (index,) = upload([step.sample_index], self.device)
+            hidden = hidden[index]
+        return self.model.compute_logits(hidden), step.sample_rows
+
+    def _eager_triton(self, step: StepInputs) -> torch.Tensor:  # -> [T, hidden]
+        from engine.triton_attention import TritonAttentionMetadata
+        from engine.triton_kernels import num_kv_splits
+
+        tables = [c.block_table for c in step.prefills]
+        ids, pos, slots, lens, decode_tables, *chunk_tables = upload(
+            [step.input_ids, step.positions, step.slot_mapping, step.context_lens,
+             step.block_tables, *tables], self.device)
+        nd = step.num_decodes
+        meta = TritonAttentionMetadata(
+            slot_mapping=slots, num_decode_tokens=nd, block_tables=decode_tables,
+            context_lens=lens, num_splits=num_kv_splits(nd, self.model.cfg.num_kv_heads, self.num_sms),
+            prefills=[PrefillChunk(c.query_start, c.num_query_tokens, c.context_len, t)
+                      for c, t in zip(step.prefills, chunk_tables, strict=True)])
+        return self.model(ids, pos, self.kv_cache, meta)

@@ -16,52 +16,61 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]  # logits: [N, vocab] float32
     ) -> tuple[list[int], list[Logprob | None]]:
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = self._apply_penalties(self._apply_biases(logits, seqs), seqs)
         greedy = [s.params.greedy for s in seqs]
-        token_ids = [0] * num_rows
-        if any(greedy):
-            rows = [i for i, g in enumerate(greedy) if g]
-            picked = logits[rows].argmax(dim=-1).tolist()
-            for r, t in zip(rows, picked, strict=True):
-                token_ids[r] = t
         rows = [i for i, g in enumerate(greedy) if not g]
-        if rows:
-            probs = self._probs(logits[rows], [seqs[i] for i in rows])  # [len(rows), vocab]
-            # Inverse-CDF sampling: the first token whose cumulative probability exceeds u,
-            # u ~ U[0, total). One uniform per row (the exponential race drew a whole vocabulary
-            # of exponentials: 1.1 ms a row on this CPU against 0.03 ms). A seeded request draws
-            # from its own generator, so P/D and resume replay it exactly (see `skip`); the rest
-            # share one draw from the engine's generator.
-            cdf = probs.cumsum(dim=-1)  # [len(rows), vocab]
-            u = torch.empty(len(rows), 1, device=probs.device)
-            shared = [j for j, r in enumerate(rows) if seqs[r].generator is None]
-            if shared:
-                u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=probs.device)
-            for j, r in enumerate(rows):
-                if seqs[r].generator is not None:
-                    u[j] = torch.rand(1, generator=seqs[r].generator, device=probs.device)
-            # right=True never lands on a zero-probability token; u < 1 keeps it inside the vocab.
-            picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-            for j, t in enumerate(picked.view(-1).tolist()):
-                token_ids[rows[j]] = t
+        # Every row's token is picked on the logits' device; the host reads them in one
+        # transfer at the end (with the logprobs, when asked for).
+        if not rows:
+            tokens = logits.argmax(dim=-1)  # [N]
+        else:
+            tokens = torch.zeros(num_rows, dtype=torch.long, device=logits.device)
+            if len(rows) < num_rows:
+                greedy_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=logits.device)
+                tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            tokens[torch.tensor(rows, device=logits.device)] = self._sample(logits, seqs, rows)
 
         logprobs: list[Logprob | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            for i, seq in enumerate(seqs):
-                if not want_logprobs[i]:
-                    continue
-                n = seq.params.logprobs
-                row = raw_logprobs[i]
-                top: list[tuple[int, float]] = []
-                if n:
-                    values, ids = row.topk(n)
-                    top = list(zip(ids.tolist(), values.tolist(), strict=True))
-                logprobs[i] = Logprob(token_ids[i], float(row[token_ids[i]]), top)
+        if raw_logprobs is None:
+            return tokens.tolist(), logprobs
+        top_n = max(s.params.logprobs or 0 for s in seqs)
+        columns = [tokens[:, None].double(), raw_logprobs.gather(1, tokens[:, None]).double()]
+        if top_n:
+            values, ids = raw_logprobs.topk(top_n, dim=-1)  # [N, top_n]
+            columns += [ids.double(), values.double()]  # token ids are exact in float64
+        packed = torch.cat(columns, dim=1).tolist()  # [N, 2 + 2 * top_n], one transfer
+        token_ids = [int(row[0]) for row in packed]
+        for i, seq in enumerate(seqs):
+            if want_logprobs[i]:
+                n, row = seq.params.logprobs, packed[i]
+                top = [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + top_n : 2 + top_n + n],
+                                                   strict=True)] if n else []
+                logprobs[i] = Logprob(token_ids[i], row[1], top)
         return token_ids, logprobs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """Tokens [len(rows)] of the non-greedy rows, on the logits' device."""
+        vocab = logits.shape[1]
+        probs = self._probs(logits[rows], [seqs[i] for i in rows])  # [len(rows), vocab]
+        # Inverse-CDF sampling: the first token whose cumulative probability exceeds u,
+        # u ~ U[0, total). One uniform per row (the exponential race drew a whole vocabulary
+        # of exponentials: 1.1 ms a row on this CPU against 0.03 ms). A seeded request draws
+        # from its own generator, so P/D and resume replay it exactly (see `skip`); the rest
+        # share one draw from the engine's generator.
+        cdf = probs.cumsum(dim=-1)  # [len(rows), vocab]
+        u = torch.empty(len(rows), 1, device=probs.device)
+        shared = [j for j, r in enumerate(rows) if seqs[r].generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=probs.device)
+        for j, r in enumerate(rows):
+            if seqs[r].generator is not None:
+                u[j] = torch.rand(1, generator=seqs[r].generator, device=probs.device)
+        # right=True never lands on a zero-probability token; u < 1 keeps it inside the vocab.
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1).view(-1)
 
     @staticmethod
     def skip(generator: torch.Generator, num_samples: int) -> None:

@@ -1,0 +1,131 @@
+"""The Triton KV-store and paged decode kernels against the SDPA path (engine/attention.py) on
+tiny shapes: under TRITON_INTERPRET=1 on CPU (float32), compiled on a GPU (float32 and bf16)."""
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+
+BLOCK_SIZE = 4
+
+
+def make_cache(num_blocks=24, num_layers=3, kv_heads=2, head_dim=16, dtype=torch.float32,
+               device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, num_layers, 2, BLOCK_SIZE, kv_heads, head_dim)
+    return torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+
+
+def sdpa_decode(q, layer, tables, lens, scale):
+    """The CPU path's decode attention over the same cache (gather + masked SDPA)."""
+    lens_t = torch.tensor(lens, device=q.device)
+    width = tables.shape[1] * BLOCK_SIZE
+    mask = (torch.arange(width, device=q.device)[None, :] < lens_t[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slot_blocks=None, slot_offsets=None, num_decode_tokens=len(lens),
+                             decode_block_tables=tables.long(), decode_context_lens=lens_t,
+                             decode_mask=mask, prefills=[])
+    return paged_attention(q, layer, meta, scale, None, None)
+
+
+def tables_for(lens, num_blocks, seed=1):
+    """Distinct random blocks per sequence, 0-padded to the longest."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // BLOCK_SIZE) for n in lens)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    rows = []
+    for n in lens:
+        used = -(-n // BLOCK_SIZE)
+        rows.append(perm[:used] + [0] * (width - used))
+        perm = perm[used:]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,kv_heads", [(4, 2), (2, 2), (32, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_sdpa(triton_kernels, device, num_heads, kv_heads, num_splits):
+    cache = make_cache(kv_heads=kv_heads, device=device)
+    layer = cache[:, 1]  # the strided per-layer view, read in place
+    lens = [1, 5, 19, 40]  # one token, a partial block, several blocks, several BLOCK_N tiles
+    tables = tables_for(lens, cache.shape[0]).to(device)
+    q = torch.randn(len(lens), num_heads, 16, generator=torch.Generator().manual_seed(2)).to(device)
+    out = triton_kernels.decode_attention(q, layer, tables, torch.tensor(lens, dtype=torch.int32,
+                                          device=device), 0.25, num_splits, block_n=16)
+    want = sdpa_decode(q, layer, tables, lens, 0.25)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_rows_output_zeros_and_others_are_unaffected(triton_kernels, device):
+    cache = make_cache(device=device)
+    layer = cache[:, 0]
+    lens = [7, 0, 12, 0]  # rows 1 and 3: a CUDA-graph bucket's padding
+    tables = tables_for([7, 1, 12, 1], cache.shape[0]).to(device)
+    q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = triton_kernels.decode_attention(q, layer, tables, lens_t, 0.25, 2, block_n=16)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all() and (out[3] == 0).all()
+    keep = [0, 2]
+    want = sdpa_decode(q[keep], layer, tables[keep], [7, 12], 0.25)
+    torch.testing.assert_close(out[keep], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decode_bf16_within_tolerance_of_sdpa(triton_kernels):
+    cache = make_cache(num_blocks=200, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                       device="cuda")
+    layer = cache[:, 2]
+    lens = [1, 17, 300, 700]
+    tables = tables_for(lens, cache.shape[0]).cuda()
+    q = torch.randn(4, 32, 128, device="cuda").bfloat16()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for splits in (1, 8, 16):
+        out = triton_kernels.decode_attention(q, layer, tables, lens_t, 128**-0.5, splits)
+        want = sdpa_decode(q.float(), layer.float(), tables, lens, 128**-0.5)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_writes_slots_like_write_kv_and_skips_padding(triton_kernels, device):
+    cache = make_cache(device=device)
+    ours, ref = cache.clone(), cache.clone()
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 3, 2, 16, generator=g).to(device)  # v is a strided view, as in the model
+    k, v = qkv[:, 0], qkv[:, 1]
+    slots = torch.tensor([9, -1, 40, 3, -1], device=device)  # block * 4 + offset
+    triton_kernels.store_kv(ours[:, 2], k, v, slots)
+    keep = slots >= 0
+    meta = AttentionMetadata(slot_blocks=slots[keep] // BLOCK_SIZE, slot_offsets=slots[keep] % BLOCK_SIZE,
+                             num_decode_tokens=0, decode_block_tables=None,
+                             decode_context_lens=None, decode_mask=None, prefills=[])
+    write_kv(ref[:, 2], k[keep], v[keep], meta)
+    assert torch.equal(ours, ref)
+    assert not torch.equal(ours, cache)  # something was written
+
+
+def test_bad_inputs_are_refused(triton_kernels):
+    cache = make_cache()
+    q = torch.randn(1, 4, 16)
+    lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        triton_kernels.decode_attention(q, cache[:, 0], torch.zeros(1, 1, dtype=torch.long), lens,
+                                        1.0, 1)
+    with pytest.raises(ValueError, match="kv heads"):
+        triton_kernels.decode_attention(torch.randn(1, 3, 16), cache[:, 0],
+                                        torch.zeros(1, 1, dtype=torch.int32), lens, 1.0, 1)
+    with pytest.raises(ValueError, match="layer's view"):
+        triton_kernels.store_kv(cache, q[:, :2], q[:, :2], torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_splits"):
+        triton_kernels.decode_attention(q, cache[:, 0], torch.zeros(1, 1, dtype=torch.int32),
+                                        lens, 1.0, 99)
+
+
+def test_split_count_fills_the_gpu_and_stays_bounded(triton_kernels):
+    assert triton_kernels.num_kv_splits(1, 8, 132) == triton_kernels.MAX_SPLITS
+    assert triton_kernels.num_kv_splits(64, 32, 132) == 1
+    assert triton_kernels.num_kv_splits(1, 32, 132) == 9  # 2 * 132 programs / 32
+    assert triton_kernels.num_kv_splits(0, 8, 4) >= 1
