@@ -64,6 +64,8 @@ class WorkerSettings(BaseSettings):
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
     pack_weights: bool = Field(True, description="oneDNN-prepacked matmul weights on CPU float32 "
                                "(engine/linear.py)")
+    enforce_eager: bool = Field(False, description="no CUDA graphs: every engine step runs "
+                                "eagerly (as vLLM's flag); on CPU graphs are never used")
     # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
     # workers, off for prefill and decode ones (measured slower at 1000-token contexts with one
     # thread each, README "Serving path"); a CUDA worker always steps on a thread.
@@ -109,6 +111,7 @@ class WorkerSettings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold or None,
             num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
+            enforce_eager=self.enforce_eager,
         )
 
     @property
