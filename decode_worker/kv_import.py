@@ -48,8 +48,11 @@ class BlockImporter:
             if num_local >= num_kv_blocks:
                 await connector.notify(peer, remote_rid)
                 return True, 0
+            staged_at = (kvp.model_extra or {}).get("remote_staging_start")  # signed with the handle
+            slots = (list(range(staged_at + num_local, staged_at + num_kv_blocks))
+                     if type(staged_at) is int else None)
             stats = await connector.fetch(peer, remote_rid, remote[num_local:num_kv_blocks],
-                                          block_table[num_local:num_kv_blocks])
+                                          block_table[num_local:num_kv_blocks], staged_slots=slots)
             return True, stats.num_bytes
         except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
             timed_out = isinstance(e, TransferTimeout) or "timed out" in str(e)

@@ -93,10 +93,11 @@ class KVConnector:
         self.layout.check_block_ids(block_ids, "exported")
         expires_at = self.leases.grant(request_id, block_ids, lease_seconds)
         self._exported.set()
+        staged_at = self._stage(request_id, block_ids)
         if self.metrics:
             self.metrics.leases.labels("granted").inc()
             self.metrics.leased_blocks.set(self.leases.num_leased_blocks)
-        return {
+        fields = {
             "remote_engine_id": self.config.engine_id,
             "remote_block_ids": list(block_ids),
             "remote_request_id": request_id,
@@ -104,6 +105,29 @@ class KVConnector:
             "layout": self.layout.model_dump(),
             "transport": self.transport.name,
         }
+        if staged_at is not None:
+            # Signed with the handle (kv_transfer/handle.py): which slots a receiver may read.
+            fields["remote_staging_start"] = staged_at
+        return fields
+
+    def _stage(self, request_id: str, block_ids: list[int]) -> int | None:
+        """The first staging slot the transport gathered the export into, or None. A failure
+        here only costs the fast path: the blocks stay readable where they are."""
+        stage = getattr(self.transport, "stage", None)
+        if stage is None:
+            return None
+        try:
+            staged_at = stage(request_id, block_ids)
+        except Exception as e:  # noqa: BLE001 - the export itself stands
+            self.errors.record("kv_staging", e)
+            return None
+        if self.metrics:
+            self.metrics.staging_slots.set(self._staged_slots())
+        return staged_at
+
+    def _staged_slots(self) -> int:
+        pool = getattr(self.transport, "staging", None)
+        return 0 if pool is None else pool.num_leased_slots
 
     def cancel_export(self, request_id: str) -> bool:
         cancelled = self.leases.cancel(request_id)
@@ -119,8 +143,12 @@ class KVConnector:
             raise PermissionError(f"blocks asked for are not leased to request {request_id!r}")
 
     def _on_release(self, request_id: str) -> None:
+        unstage = getattr(self.transport, "unstage", None)
+        if unstage is not None:
+            unstage(request_id)  # the staged copy goes with the lease, on every path
         if self.metrics:
             self.metrics.leased_blocks.set(self.leases.num_leased_blocks)
+            self.metrics.staging_slots.set(self._staged_slots())
         self._release(request_id)
 
     async def _watch(self) -> None:
@@ -210,15 +238,22 @@ class KVConnector:
         request_id: str,
         remote_block_ids: list[int],
         local_block_ids: list[int],
+        staged_slots: list[int] | None = None,
     ) -> PullStats:
-        """Pull `remote_block_ids` of `peer` into `local_block_ids`; raises TransferError."""
+        """Pull `remote_block_ids` of `peer` into `local_block_ids`; raises TransferError.
+        `staged_slots`: where the sender staged each of those blocks (from the handle's
+        `remote_staging_start`), if it did; the transport's plan decides whether to read them."""
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError("remote and local block lists differ in length")
         peer.layout.check_block_ids(remote_block_ids, "remote")
         self.layout.check_block_ids(local_block_ids, "local")
         label = self.transport.label
         try:
-            stats = await self.transport.pull(peer, request_id, remote_block_ids, local_block_ids)
+            if staged_slots is not None and getattr(self.transport, "stage", None) is not None:
+                stats = await self.transport.pull(peer, request_id, remote_block_ids, local_block_ids,
+                                                  staged_slots=staged_slots)
+            else:
+                stats = await self.transport.pull(peer, request_id, remote_block_ids, local_block_ids)
         except TransferError as e:
             if self.metrics:
                 reason = "timeout" if isinstance(e, TransferTimeout) else "error"
@@ -230,4 +265,5 @@ class KVConnector:
             self.metrics.bytes.labels(label).inc(stats.num_bytes)
             self.metrics.blocks.labels(label).inc(stats.num_blocks)
             self.metrics.seconds.labels(label).observe(stats.seconds)
+            self.metrics.plans.labels(stats.extra.get("plan", "direct")).inc()
         return stats

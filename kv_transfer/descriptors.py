@@ -65,3 +65,18 @@ def block_descriptors(layout: KVLayout, base: int, num_blocks: int, device_id: i
     descs[:, 1] = block
     descs[:, 2] = device_id
     return descs
+
+
+def count_runs(src_block_ids, dst_block_ids=None) -> int:
+    """How many runs `coalesce` would make (numpy, no per-block Python): the descriptor count of a
+    transfer. Without `dst_block_ids` the destination is taken as contiguous."""
+    src = np.asarray(src_block_ids, dtype=np.int64)
+    if src.size == 0:
+        return 0
+    breaks = np.diff(src) != 1
+    if dst_block_ids is not None:
+        dst = np.asarray(dst_block_ids, dtype=np.int64)
+        if dst.shape != src.shape:
+            raise ValueError("source and destination block lists differ in length")
+        breaks |= np.diff(dst) != 1
+    return 1 + int(np.count_nonzero(breaks))

@@ -22,7 +22,8 @@ from common.hashing import hash_tokens
 from common.protocol import KVTransferParams
 
 SIGNED_FIELDS = ("remote_request_id", "remote_engine_id", "remote_host", "remote_port",
-                 "remote_block_ids", "block_hashes", "num_tokens", "prompt_hash", "expires_at")
+                 "remote_block_ids", "block_hashes", "num_tokens", "prompt_hash", "expires_at",
+                 "remote_staging_start")
 # The fields a pull cannot do without, signed or not.
 REQUIRED_FIELDS = ("remote_request_id", "remote_engine_id", "remote_host", "remote_port",
                    "remote_block_ids")

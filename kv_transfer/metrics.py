@@ -21,3 +21,8 @@ class TransferMetrics:
                               ["outcome"], registry=registry)
         self.leased_blocks = Gauge("tandem_kv_leased_blocks", "Blocks pinned for export now",
                                    registry=registry)
+        self.staging_slots = Gauge("tandem_kv_staging_slots", "Staging slots holding gathered "
+                                   "exports now", registry=registry)
+        self.plans = Counter("tandem_kv_pull_plans", "KV pulls by how they moved their blocks "
+                             "(direct, staged_source, staged_local, staged_both)", ["plan"],
+                             registry=registry)

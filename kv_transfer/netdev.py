@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
-import re
 import socket
 import struct
 from pathlib import Path
@@ -67,20 +66,3 @@ def ucx_net_devices(host: str) -> str | None:
     if iface is None:
         return None
     return ",".join([iface, *rdma_ports()])
-
-
-def ucx_read_transport(log_file: str | Path) -> str | None:
-    """The UCX transport chosen for remote reads, from a UCX_PROTO_INFO log (e.g. 'cma', 'tcp')."""
-    paths = sorted(Path(log_file).parent.glob(Path(log_file).name + "*"))
-    found = None
-    for path in paths:
-        lines = path.read_text(errors="replace").splitlines()
-        for i, line in enumerate(lines):
-            if "remote memory read by ucp_get" not in line:
-                continue
-            for row in lines[i + 1 : i + 12]:
-                m = re.search(r"\|\s*\S+\s*\|\s*[^|]+\|\s*([A-Za-z0-9_]+)/", row)
-                if m:
-                    found = m.group(1)
-                    break
-    return found

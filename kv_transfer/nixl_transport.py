@@ -1,11 +1,18 @@
-"""NIXL transport: the whole KV cache is registered once; the receiver READs descriptor lists
-straight out of the sender's registered region, then sends a notification that carries the
-request id. UCX underneath picks RDMA, shared memory (cma) or TCP by itself.
+"""NIXL transport: the whole KV cache (and a bounded staging region beside it) is registered
+once; the receiver READs descriptor lists straight out of the sender's registered memory, then
+notifies the sender with the request id. UCX picks RDMA, cuda_ipc, shared memory (cma) or TCP;
+the settings it needs for VRAM are decided at start (kv_transfer/ucx_config.py) and the label
+names the lane it chose (`ucx:cuda_ipc`, `ucx:cma`, ...).
 
-A pull's fixed cost (bench/kv_transfer.py): descriptor lists are prepared once per peer, one
-per block (a pull names indices; NIXL merges contiguous ones); the notification rides on the
-READ; the sender's agent answers from its waiting progress thread (kv_transfer/nixl_agent.py);
-the receiver polls without sleeping for its first `SPIN_S`.
+How a pull moves its blocks is planned per pull (kv_transfer/pull_plan.py): one descriptor per
+run of blocks (few blocks, CPU caches), or through staging slots (kv_transfer/staging.py): the
+sender gathers an export into its slots when the lease is granted, the receiver READs one range
+into its own slots and scatters them with the CUDA kernel.
+
+A pull's fixed cost: descriptor lists are prepared once per peer (cache blocks and staging
+slots, one entry per block; a pull names indices and NIXL merges contiguous ones); a peer's
+validated parameters are cached with it; the receiver polls back to back for its first
+`SPIN_S`; the sender's agent answers from its waiting progress thread (nixl_agent.py).
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import ctypes
+import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -24,10 +34,14 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from common.background import BackgroundErrors
+from kv_transfer import kernels, ucx_config
 from kv_transfer.descriptors import block_descriptors, coalesce, descriptor_arrays
-from kv_transfer.layout import KVLayout
-from kv_transfer.netdev import ucx_net_devices, ucx_read_transport
+from kv_transfer.layout import BlockRangeError, KVLayout
+from kv_transfer.netdev import ucx_net_devices
 from kv_transfer.nixl_agent import import_nixl, make_agent, nixl_available  # noqa: F401 (re-exported)
+from kv_transfer.pull_plan import COSTS, PullPlan, plan_pull, stage_at_export
+from kv_transfer.side_stream import SideStream
+from kv_transfer.staging import StagingPool
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -51,6 +65,17 @@ class NixlParams(BaseModel):
     base_address: int = Field(ge=0, lt=2**64)
     mem_type: Literal["DRAM", "VRAM"]
     device_id: int = Field(0, ge=0, le=1024)
+    staging_address: int = Field(0, ge=0, lt=2**64)
+    staging_num_blocks: int = Field(0, ge=0, le=1 << 31)
+
+
+@dataclass
+class _Peer:
+    agent_name: str
+    params: NixlParams
+    blocks: object | None = None  # prepared descriptor list of its cache blocks
+    slots: object | None = None  # and of its staging slots
+    label_known: bool = False
 
 
 class NixlTransport:
@@ -61,35 +86,54 @@ class NixlTransport:
         self.layout = layout
         self.config = config
         self._agent = None
-        self._reg = None
-        self._peers: dict[str, str] = {}  # engine id -> NIXL agent name
-        self._prepped: dict[str, object] = {}  # engine id -> its prepared remote descriptor list
-        self._local_prepped = None  # this cache's, one descriptor per block
+        self._regs: list[object] = []
+        self._peers: dict[str, _Peer] = {}  # engine id -> its agent, params, prepared lists
+        self._local_blocks = None  # this cache's prepared list, one descriptor per block
+        self._local_slots = None  # this staging region's
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
+        self._ucx_log: ucx_config.UcxLog | None = None
+        self._log_dir: str | None = None
+        self.costs = COSTS["cuda" if kv_cache.is_cuda else "cpu"]
+        self.staging: StagingPool | None = None
+        self._side: SideStream | None = None
+        self._pull_ids = itertools.count()  # owners of a pull's local staging slots
         self.errors = BackgroundErrors()  # the connector hands its own in (one registry)
 
     async def start(self) -> None:
         nixl = import_nixl()
         if nixl is None:
             raise TransferError("NIXL is not installed (pip install nixl-cu12)")
-        # UCX's TCP transport listens on every interface it may use: keep it to the worker's own
-        # address (and RDMA ports), unless the operator chose the devices already.
-        devices = ucx_net_devices(self.config.advertise_host or self.config.listen_host)
-        if devices and "UCX_NET_DEVICES" not in os.environ:
-            os.environ["UCX_NET_DEVICES"] = devices
-            log.info("nixl: UCX limited to %s", devices)
+        # The process environment is UCX's configuration: decided here, once, before the agent.
+        if self.config.ucx_proto_log is None and "UCX_LOG_FILE" not in os.environ:
+            self._log_dir = tempfile.mkdtemp(prefix="tandem-ucx-")
+        settings = ucx_config.decide(
+            os.environ, ucx_net_devices(self.config.advertise_host or self.config.listen_host),
+            vram=self.kv_cache.is_cuda, proto_log=self.config.ucx_proto_log, log_dir=self._log_dir)
+        ucx_config.apply(settings, os.environ)
+        if settings.log_file:
+            self._ucx_log = ucx_config.UcxLog(settings.log_file, "cuda" if self.kv_cache.is_cuda else "host")
         self._agent = make_agent(nixl, self.config.engine_id)  # kv_transfer/nixl_agent.py
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend")
-        self._reg = self._agent.register_memory(self.kv_cache)
+        self._regs.append(self._agent.register_memory(self.kv_cache))
         if self.layout.num_blocks <= MAX_PREPPED_BLOCKS:
-            self._local_prepped = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", block_descriptors(self.layout, self.kv_cache.data_ptr(), self.layout.num_blocks,
-                                  self._device_id), self._mem_type)
-        log.info("nixl: registered %.1f MiB of %s KV cache as agent %s",
-                 self.layout.region_bytes / 2**20, self._mem_type, self.config.engine_id)
+            self._local_blocks = self._prep_local(self.kv_cache, self.layout.num_blocks)
+        num_slots = min(self.config.staging_bytes // self.layout.bytes_per_block, self.layout.num_blocks)
+        if self.config.staging != "never" and num_slots >= 1 and self._local_blocks is not None:
+            self.staging = StagingPool(self.kv_cache, num_slots)
+            self._regs.append(self._agent.register_memory(self.staging.buffer))
+            self._local_slots = self._prep_local(self.staging.buffer, num_slots)
+            self._side = SideStream(self.kv_cache.device)
+        log.info("nixl: registered %.1f MiB of %s KV cache (+%d staging slots, %s) as agent %s",
+                 self.layout.region_bytes / 2**20, self._mem_type, num_slots if self.staging is not None else 0,
+                 self.config.staging, self.config.engine_id)
+
+    def _prep_local(self, region: torch.Tensor, num_blocks: int):
+        return self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", block_descriptors(self.layout, region.data_ptr(), num_blocks,
+                                                 self._device_id), self._mem_type)
 
     async def close(self) -> None:
         if self._agent is not None:
@@ -98,13 +142,17 @@ class NixlTransport:
                     self.forget_peer(engine_id)
                 except Exception:  # noqa: BLE001 - peer may be gone already
                     pass
-            if self._local_prepped is not None:
-                self._agent.release_dlist_handle(self._local_prepped)
-                self._local_prepped = None
-            if self._reg is not None:
-                self._agent.deregister_memory(self._reg)
+            for prepped in (self._local_blocks, self._local_slots):
+                if prepped is not None:
+                    self._agent.release_dlist_handle(prepped)
+            self._local_blocks = self._local_slots = None
+            for reg in self._regs:
+                self._agent.deregister_memory(reg)
+            self._regs.clear()
             self._agent = None
-            self._peers.clear()
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)  # UCX keeps its open descriptor
+            self._log_dir = None
 
     @property
     def label(self) -> str:
@@ -122,75 +170,105 @@ class NixlTransport:
                 "base_address": self.kv_cache.data_ptr(),
                 "mem_type": self._mem_type,
                 "device_id": self._device_id,
+                "staging_address": 0 if self.staging is None else self.staging.buffer.data_ptr(),
+                "staging_num_blocks": self.staging.num_slots if self.staging is not None else 0,
             },
         )
 
     def set_export_check(self, check) -> None:
         # One-sided READs never reach the sender's code; receivers bounds-check instead and
-        # NIXL refuses addresses outside the registered region.
+        # NIXL refuses addresses outside the registered regions.
         pass
 
-    @staticmethod
-    def _params(peer: PeerMetadata) -> NixlParams:
+    # ---- sending side: staging an export ----------------------------------------------------
+
+    def stage(self, request_id: str, block_ids: list[int]) -> int | None:
+        """Gather an export's blocks into staging slots when the plan says it pays; returns the
+        first slot (the blocks follow in order) or None (no staging: read where they are)."""
+        if self.staging is None or not stage_at_export(block_ids, self.layout.bytes_per_block,
+                                                       self.costs, self.config.staging):
+            return None
+        lease = self.staging.lease(request_id, len(block_ids))
+        if lease is None:
+            return None  # full: this export is read block by block
         try:
-            return NixlParams.model_validate(peer.params)
+            with self._side:
+                kernels.gather_blocks(self.kv_cache, block_ids, out=self.staging.view(lease))
+            self._side.synchronize()  # ~50 us for 256 blocks; a READ may come at once
+        except BaseException:
+            self.staging.release(request_id)
+            raise
+        return lease.start
+
+    def unstage(self, request_id: str) -> bool:
+        return self.staging is not None and self.staging.release(request_id)
+
+    # ---- receiving side ---------------------------------------------------------------------
+
+    def _peer(self, peer: PeerMetadata) -> _Peer:
+        known = self._peers.get(peer.engine_id)
+        if known is not None:
+            return known
+        try:
+            params = NixlParams.model_validate(peer.params)
         except ValidationError as e:
             raise TransferError(f"invalid NIXL metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
-
-    def _agent_for(self, peer: PeerMetadata) -> str:
-        name = self._peers.get(peer.engine_id)
-        if name is None:
-            try:
-                md = base64.b64decode(self._params(peer).agent_metadata, validate=True)
-            except binascii.Error as e:
-                raise TransferError(f"invalid NIXL agent metadata from {peer.engine_id}") from e
-            loaded = self._agent.add_remote_agent(md)
-            name = loaded.decode() if isinstance(loaded, bytes) else loaded
-            if name != peer.engine_id:
-                # The agent inside must be the engine the verified handle named.
-                self._agent.remove_remote_agent(name)
-                raise TransferError(f"peer {peer.engine_id} sent the NIXL agent of {name!r}")
-            self._peers[peer.engine_id] = name
-        return name
+        try:
+            md = base64.b64decode(params.agent_metadata, validate=True)
+        except binascii.Error as e:
+            raise TransferError(f"invalid NIXL agent metadata from {peer.engine_id}") from e
+        loaded = self._agent.add_remote_agent(md)
+        name = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if name != peer.engine_id:
+            # The agent inside must be the engine the verified handle named.
+            self._agent.remove_remote_agent(name)
+            raise TransferError(f"peer {peer.engine_id} sent the NIXL agent of {name!r}")
+        known = _Peer(name, params)
+        self._peers[peer.engine_id] = known
+        try:
+            if self._local_blocks is not None and peer.layout.num_blocks <= MAX_PREPPED_BLOCKS:
+                known.blocks = self._agent.prep_xfer_dlist(
+                    name, block_descriptors(self.layout, params.base_address, peer.layout.num_blocks,
+                                            params.device_id), params.mem_type)
+                if params.staging_num_blocks and params.staging_address:
+                    known.slots = self._agent.prep_xfer_dlist(
+                        name, block_descriptors(self.layout, params.staging_address,
+                                                params.staging_num_blocks, params.device_id),
+                        params.mem_type)
+        except Exception:
+            self.forget_peer(peer.engine_id)
+            raise
+        return known
 
     def forget_peer(self, engine_id: str) -> None:
-        prepped = self._prepped.pop(engine_id, None)
-        name = self._peers.pop(engine_id, None)
-        if self._agent is None:
+        known = self._peers.pop(engine_id, None)
+        if self._agent is None or known is None:
             return
-        if prepped is not None:
-            try:
-                self._agent.release_dlist_handle(prepped)
-            except Exception:  # noqa: BLE001 - the peer may be half gone
-                pass
-        if name is not None:
-            self._agent.remove_remote_agent(name)
+        for prepped in (known.blocks, known.slots):
+            if prepped is not None:
+                try:
+                    self._agent.release_dlist_handle(prepped)
+                except Exception:  # noqa: BLE001 - the peer may be half gone
+                    pass
+        self._agent.remove_remote_agent(known.agent_name)
 
-    def _remote_prepped(self, peer: PeerMetadata, params: NixlParams, agent_name: str):
-        prepped = self._prepped.get(peer.engine_id)
-        if prepped is None and self._local_prepped is not None \
-                and peer.layout.num_blocks <= MAX_PREPPED_BLOCKS:
-            prepped = self._agent.prep_xfer_dlist(
-                agent_name, block_descriptors(self.layout, params.base_address, peer.layout.num_blocks,
-                                  params.device_id), params.mem_type)
-            self._prepped[peer.engine_id] = prepped
-        return prepped
+    def plan(self, peer: PeerMetadata, remote_block_ids: list[int], local_block_ids: list[int],
+             staged_slots: list[int] | None) -> PullPlan:
+        """How this pull will go (kv_transfer/pull_plan.py), given what both sides have."""
+        known = self._peers.get(peer.engine_id)
+        prepped = known is not None and known.blocks is not None
+        slots = staged_slots if prepped and known.slots is not None else None
+        free = (self.staging is not None and self._local_slots is not None and prepped
+                and len(remote_block_ids) <= self.staging.num_slots - self.staging.num_leased_slots)
+        return plan_pull(remote_block_ids, local_block_ids, self.layout.bytes_per_block, self.costs,
+                         self.config.staging, slots, free)
 
-    def _start_read(self, peer: PeerMetadata, params: NixlParams, agent_name: str,
-                    remote_block_ids: list[int], local_block_ids: list[int], notif: bytes):
-        """(handle, descriptors) of a READ of the blocks, prepared lists where there are."""
-        prepped = self._remote_prepped(peer, params, agent_name)
-        if prepped is not None:
-            handle = self._agent.make_prepped_xfer(
-                "READ", self._local_prepped, np.asarray(local_block_ids, dtype=np.int32),
-                prepped, np.asarray(remote_block_ids, dtype=np.int32), notif)
-            return handle, len(coalesce(remote_block_ids, local_block_ids))
-        runs = coalesce(remote_block_ids, local_block_ids)
-        src, dst = descriptor_arrays(self.layout, params.base_address, self.kv_cache.data_ptr(),
-                                     runs, params.device_id, self._device_id)
-        remote = self._agent.get_xfer_descs(src, params.mem_type)
-        local = self._agent.get_xfer_descs(dst, self._mem_type)
-        return self._agent.initialize_xfer("READ", local, remote, agent_name, notif), len(runs)
+    def _check_slots(self, known: _Peer, staged_slots: list[int], n: int) -> None:
+        limit = known.params.staging_num_blocks
+        if len(staged_slots) != n:
+            raise ValueError("staged slots and remote blocks differ in length")
+        if staged_slots and (min(staged_slots) < 0 or max(staged_slots) >= limit):
+            raise BlockRangeError(f"staged slots out of the peer's range [0, {limit})")
 
     async def pull(
         self,
@@ -198,36 +276,32 @@ class NixlTransport:
         request_id: str,
         remote_block_ids: list[int],
         local_block_ids: list[int],
+        staged_slots: list[int] | None = None,
     ) -> PullStats:
         assert self._agent is not None, "start() first"
         t0 = time.perf_counter()
-        params = self._params(peer)
         handle = None
+        local_lease = None
         try:
-            agent_name = self._agent_for(peer)
-            notif = _NOTIF_PREFIX + request_id.encode()  # delivered once the READ is done
-            handle, num_descriptors = self._start_read(peer, params, agent_name, remote_block_ids,
-                                                       local_block_ids, notif)
-            state = self._agent.transfer(handle)
-            spin_until = time.monotonic() + SPIN_S
-            deadline = time.monotonic() + self.config.pull_timeout_s
-            while state == "PROC":
-                now = time.monotonic()
-                if now > deadline:
-                    raise TransferTimeout(
-                        f"NIXL read of {len(remote_block_ids)} blocks from {peer.engine_id} "
-                        f"timed out after {self.config.pull_timeout_s} s")
-                await asyncio.sleep(0 if now < spin_until else self.config.poll_interval_s)
-                # Each check drives UCX a little (a few descriptors of a scattered read): a
-                # burst of checks per turn of the event loop, not one, or a 256-block pull
-                # pays a loop turn per descriptor.
-                burst_until = time.monotonic() + BURST_S
-                state = self._agent.check_xfer_state(handle)
-                while state == "PROC" and time.monotonic() < burst_until:
-                    state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"NIXL read from {peer.engine_id} failed (state {state})")
-        except TransferError:
+            known = self._peer(peer)
+            if staged_slots is not None:
+                self._check_slots(known, staged_slots, len(remote_block_ids))
+            plan = self.plan(peer, remote_block_ids, local_block_ids, staged_slots)
+            if plan.stages_locally:
+                local_lease = self.staging.lease(f"pull:{next(self._pull_ids)}", len(remote_block_ids))
+                if local_lease is None:  # taken meanwhile
+                    plan = plan_pull(remote_block_ids, local_block_ids, self.layout.bytes_per_block,
+                                     self.costs, "never")
+            handle = self._make_read(known, plan, remote_block_ids, local_block_ids, staged_slots,
+                                     local_lease)
+            await self._run(handle, peer, len(remote_block_ids))
+            if local_lease is not None:
+                with self._side:
+                    kernels.scatter_blocks(self.kv_cache, local_block_ids, self.staging.view(local_lease))
+                await SideStream.wait(self._side.record())
+            # After the data is here: the sender may free its blocks and slots at once.
+            self._agent.send_notif(known.agent_name, _NOTIF_PREFIX + request_id.encode())
+        except (TransferError, BlockRangeError, ValueError):
             self.forget_peer(peer.engine_id)
             raise
         except Exception as e:  # nixl raises its own exception types
@@ -239,31 +313,84 @@ class NixlTransport:
                     self._agent.release_xfer_handle(handle)
                 except Exception:  # noqa: BLE001 - releasing a failed request may fail too
                     pass
-        self._refresh_label()
+            if local_lease is not None:
+                self.staging.release(local_lease.owner)
+        self._refresh_label(peer.engine_id)
         return PullStats(
             num_blocks=len(remote_block_ids),
             num_bytes=len(remote_block_ids) * self.layout.bytes_per_block,
             seconds=time.perf_counter() - t0,
-            num_descriptors=num_descriptors,
+            num_descriptors=plan.num_descriptors,
             transport_label=self._label,
+            extra={"plan": plan.kind},
         )
+
+    def _make_read(self, known: _Peer, plan: PullPlan, remote_block_ids, local_block_ids,
+                   staged_slots, local_lease):
+        """The READ handle of `plan`: indices into prepared lists where there are."""
+        n = len(remote_block_ids)
+        if known.blocks is None:  # too many blocks to prepare: this pull's own list
+            runs = coalesce(remote_block_ids, local_block_ids)
+            src, dst = descriptor_arrays(self.layout, known.params.base_address, self.kv_cache.data_ptr(),
+                                         runs, known.params.device_id, self._device_id)
+            return self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(dst, self._mem_type),
+                self._agent.get_xfer_descs(src, known.params.mem_type), known.agent_name, b"")
+        remote_list, remote_idx = ((known.slots, staged_slots) if plan.reads_staged_source
+                                   else (known.blocks, remote_block_ids))
+        if local_lease is not None:
+            local_list, local_idx = self._local_slots, range(local_lease.start, local_lease.start + n)
+        else:
+            local_list, local_idx = self._local_blocks, local_block_ids
+        return self._agent.make_prepped_xfer(
+            "READ", local_list, np.asarray(local_idx, dtype=np.int32),
+            remote_list, np.asarray(remote_idx, dtype=np.int32), b"")
+
+    async def _run(self, handle, peer: PeerMetadata, num_blocks: int) -> None:
+        agent = self._agent
+        state = agent.transfer(handle)
+        now = time.monotonic()
+        spin_until, deadline = now + SPIN_S, now + self.config.pull_timeout_s
+        # Back to back first: a 1-block READ on cuda_ipc is done in tens of microseconds.
+        while state == "PROC" and time.monotonic() < spin_until:
+            state = agent.check_xfer_state(handle)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"NIXL read of {num_blocks} blocks from {peer.engine_id} "
+                    f"timed out after {self.config.pull_timeout_s} s")
+            await asyncio.sleep(self.config.poll_interval_s)
+            # Each check drives UCX a little (a few descriptors of a scattered read): a burst
+            # of checks per turn of the event loop, not one.
+            burst_until = time.monotonic() + BURST_S
+            state = agent.check_xfer_state(handle)
+            while state == "PROC" and time.monotonic() < burst_until:
+                state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise TransferError(f"NIXL read from {peer.engine_id} failed (state {state})")
 
     async def notify(self, peer: PeerMetadata, request_id: str) -> None:
         """Tell the peer its blocks are no longer needed, without reading any."""
         try:
-            self._agent.send_notif(self._agent_for(peer), _NOTIF_PREFIX + request_id.encode())
+            self._agent.send_notif(self._peer(peer).agent_name, _NOTIF_PREFIX + request_id.encode())
+        except TransferError:
+            self.forget_peer(peer.engine_id)
+            raise
         except Exception as e:  # nixl raises its own exception types
             self.forget_peer(peer.engine_id)
             raise TransferError(f"NIXL notification to {peer.engine_id} failed: {e}") from e
 
-    def _refresh_label(self) -> None:
-        if self._label == "ucx" and self.config.ucx_proto_log:
-            # UCX writes its log through stdio; flush every C stream of this process first.
-            ctypes.CDLL(None).fflush(None)
-            chosen = ucx_read_transport(self.config.ucx_proto_log)
-            if chosen:
-                self._label = f"ucx:{chosen}"
-                log.info("nixl: UCX chose %s for remote reads", chosen)
+    def _refresh_label(self, engine_id: str) -> None:
+        """The lane UCX chose, read from its log after the first pull from each peer."""
+        known = self._peers.get(engine_id)
+        if self._ucx_log is None or known is None or known.label_known:
+            return
+        lane = self._ucx_log.refresh()
+        if lane:
+            known.label_known = True
+            if self._label != f"ucx:{lane}":
+                self._label = f"ucx:{lane}"
+                log.info("nixl: UCX chose %s for remote reads from %s", lane, engine_id)
 
     def completed(self) -> list[str]:
         if self._agent is None:
@@ -283,3 +410,4 @@ class NixlTransport:
                     continue
                 done.append(request_id)
         return done
+

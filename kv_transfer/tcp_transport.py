@@ -219,6 +219,7 @@ class TcpTransport:
         request_id: str,
         remote_block_ids: list[int],
         local_block_ids: list[int],
+        staged_slots: list[int] | None = None,  # the TCP sender gathers per pull itself
     ) -> PullStats:
         try:
             return await asyncio.wait_for(

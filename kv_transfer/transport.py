@@ -50,6 +50,9 @@ class TransportConfig:
     fp8: bool = False  # tcp: send blocks as e4m3 + per-run scales (lossy, about half the bytes)
     ucx_proto_log: str | None = None  # a UCX_LOG_FILE written with UCX_PROTO_INFO=y, if any
     handshake_timeout_s: float = 5.0  # tcp: a peer's whole request header must arrive within it
+    # Staged pulls (kv_transfer/pull_plan.py): "auto" by the cost model, "always", "never".
+    staging: str = "auto"
+    staging_bytes: int = 512 << 20  # nixl: the staging region (whole blocks; 0 = none)
 
 
 @dataclass
@@ -85,8 +88,11 @@ class Transport(Protocol):
         request_id: str,
         remote_block_ids: list[int],
         local_block_ids: list[int],
+        staged_slots: list[int] | None = None,
     ) -> PullStats:
-        """Copy blocks from the peer, then notify it with `request_id`. Raises TransferError."""
+        """Copy blocks from the peer, then notify it with `request_id`. Raises TransferError.
+        `staged_slots`: where the peer staged those blocks, for transports that stage (`stage`
+        / `unstage` on the sending side, kv_transfer/staging.py); others ignore it."""
 
     async def notify(self, peer: PeerMetadata, request_id: str) -> None:
         """Tell the peer it may free `request_id`'s blocks without pulling any (all local)."""

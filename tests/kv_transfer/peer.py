@@ -40,6 +40,7 @@ def make_cache(num_blocks: int, seed: int, dtype=torch.float16, block_size: int 
 
 
 def block_digests(cache: torch.Tensor) -> list[str]:
+    cache = cache.cpu()
     out = []
     for b in range(cache.shape[0]):
         out.append(xxhash.xxh3_64_hexdigest(cache[b].contiguous().view(torch.uint8).numpy().tobytes()))
@@ -68,13 +69,17 @@ async def main() -> None:
     ap.add_argument("--ucx-proto-log", default=None)
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--chunk-bytes", type=int, default=16 << 20)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--staging", default="auto")
+    ap.add_argument("--staging-bytes", type=int, default=512 << 20)
     args = ap.parse_args()
-    cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size)
+    cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size).to(args.device)
     layout = KVLayout.of_cache(cache, args.model_id)
     released: list[str] = []
     config = TransportConfig(engine_id=args.engine_id, token=args.token, listen_host=args.host,
                              pull_timeout_s=args.pull_timeout, ucx_proto_log=args.ucx_proto_log,
-                             fp8=args.fp8, chunk_bytes=args.chunk_bytes)
+                             fp8=args.fp8, chunk_bytes=args.chunk_bytes, staging=args.staging,
+                             staging_bytes=args.staging_bytes)
     connector = KVConnector(cache, layout, config, args.transport, released.append,
                             lease_seconds=args.lease_seconds)
     await connector.start()
@@ -96,20 +101,24 @@ async def main() -> None:
             try:
                 peer = await connector.peer(cmd.get("engine_id"), cmd["url"])
                 stats = await connector.fetch(peer, cmd["request_id"], cmd["remote_block_ids"],
-                                              cmd["local_block_ids"])
+                                              cmd["local_block_ids"], cmd.get("staged_slots"))
             except (TransferError, ValueError) as e:
                 return {"error": type(e).__name__, "message": str(e)}
             return {"num_bytes": stats.num_bytes, "seconds": stats.seconds,
-                    "num_descriptors": stats.num_descriptors, "label": stats.transport_label}
+                    "num_descriptors": stats.num_descriptors, "label": stats.transport_label,
+                    "plan": stats.extra.get("plan")}
         if op == "state":
             lt = connector.leases
+            staging = getattr(connector.transport, "staging", None)
             return {"leases": len(lt), "released": released, "granted": lt.num_granted,
                     "notified": lt.num_notified, "expired": lt.num_expired,
-                    "label": connector.transport.label}
+                    "label": connector.transport.label,
+                    "staging_slots": None if staging is None else staging.num_leased_slots,
+                    "staging_leases": None if staging is None else staging.num_leases}
         if op == "digest":
             return {"digests": block_digests(cache)}
         if op == "blocks":  # raw values of a few blocks, for lossy (fp8) comparisons
-            return {"values": cache[cmd["block_ids"]].float().tolist()}
+            return {"values": cache[cmd["block_ids"]].float().cpu().tolist()}
         if op == "netdev":
             return {"netdev": open("/proc/net/dev").read()}
         raise ValueError(f"unknown command {op}")

@@ -57,6 +57,56 @@ def test_fp8_reference_halves_bytes_within_e4m3_error(dtype):
     assert (sz == 1).all() and (kernels.fp8_unpack(qz, sz, dtype) == 0).all()
 
 
+def test_fp8_scales_are_the_correctly_rounded_quotient_on_every_device():
+    """The rounding both sides follow: scale = amax / 448 by IEEE division. numpy's float64
+    quotient rounded to float32 is the correctly rounded one (53 >= 2 * 24 + 2 bits); a scale
+    times a rounded reciprocal of 448 (what torch's `t / 448.0` does on CUDA) differs from it
+    for many amax values, which is what this test would catch."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 2, 16, 3, 64, generator=g) * torch.rand(64, 2, 1, 1, 1, generator=g) * 100
+    q, scales = kernels.fp8_pack(x)
+    amax = x.reshape(128, -1).abs().amax(1).numpy()
+    exact = (amax.astype(np.float64) / 448).astype(np.float32)
+    assert np.array_equal(scales.reshape(-1).numpy(), exact)
+    assert (amax * np.float32(1 / 448) != exact).any()
+    # q is e4m3(x * (1 / scale)), the reciprocal by IEEE division too.
+    inv = (np.float64(1) / exact.astype(np.float64)).astype(np.float32)
+    want = torch.from_numpy(x.reshape(128, -1).numpy() * inv[:, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(q.reshape(128, -1), want.view(torch.uint8))
+
+
+def test_gather_into_a_staging_slice_and_bad_staging_refused():
+    c = cache(torch.bfloat16)
+    region = torch.zeros(8, *c.shape[1:], dtype=c.dtype)
+    out = kernels.gather_blocks(c, [4, 1, 9], out=region[2:5])
+    assert out.data_ptr() == region[2].data_ptr()
+    assert torch.equal(region[2:5], c[[4, 1, 9]]) and region[[0, 1, 5, 6, 7]].abs().sum() == 0
+    with pytest.raises(ValueError, match="does not hold 2 blocks"):
+        kernels.gather_blocks(c, [4, 1], out=region[2:5])
+    with pytest.raises(ValueError, match="fp8 variant"):
+        kernels.fp8_pack(c[:1], variant="fast")
+
+
+def test_a_library_of_another_abi_is_never_called(tmp_path, monkeypatch):
+    """A stale libtandem_kv.so (its functions take other arguments) falls back to the references."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "old.c"
+    src.write_text("int tandem_kv_abi(void) { return 1; }\nint tandem_gather_blocks(void) { return 0; }\n")
+    lib = tmp_path / "libtandem_kv.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    monkeypatch.setattr(kernels, "library_path", lambda: lib)
+    kernels._lib.cache_clear()
+    try:
+        assert kernels._lib() is None
+    finally:
+        kernels._lib.cache_clear()
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_cuda_kernels_compile(tmp_path):
     out = tmp_path / "libtandem_kv.so"
@@ -64,7 +114,7 @@ def test_cuda_kernels_compile(tmp_path):
 
     build(out)
     syms = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
-    for fn in ("tandem_gather_blocks", "tandem_scatter_blocks", "tandem_transpose",
+    for fn in ("tandem_kv_abi", "tandem_gather_blocks", "tandem_scatter_blocks", "tandem_transpose",
                "tandem_fp8_pack", "tandem_fp8_unpack"):
         assert fn in syms
 
@@ -94,11 +144,35 @@ def test_gpu_kernels_match_references(cuda_lib, dtype):
     assert torch.equal(kernels.nhd_to_hnd(staging_k, use_kernel=True), kernels.nhd_to_hnd_ref(staging_k))
     hnd = kernels.nhd_to_hnd_ref(staging_k)
     assert torch.equal(kernels.hnd_to_nhd(hnd, use_kernel=True), staging_k)
-    qk, sk = kernels.fp8_pack(staging_k, use_kernel=True)
     qr, sr = kernels.fp8_pack(staging_k, use_kernel=False)
-    assert torch.equal(sk, sr) and torch.equal(qk, qr)
+    for variant in kernels.FP8_VARIANTS:
+        qk, sk = kernels.fp8_pack(staging_k, use_kernel=True, variant=variant)
+        assert torch.equal(sk, sr), variant
+        assert torch.equal(qk, qr), variant
     assert torch.equal(kernels.fp8_unpack(qk, sk, dtype, use_kernel=True),
                        kernels.fp8_unpack(qr, sr, dtype, use_kernel=False))
+    for chunk in (16, 4096, 100_000):  # chunk sizes that split blocks unevenly
+        assert torch.equal(kernels.gather_blocks(c, ids, use_kernel=True, chunk_bytes=chunk), staging_r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(5, 2, 2, 16, 8, 128), (3, 1, 2, 7, 5, 12), (4, 1, 2, 3, 1, 5)])
+def test_gpu_kernels_match_references_on_odd_shapes(cuda_lib, shape):
+    """Rows that are not 16-byte multiples, runs that do not fill a warp: the fallback paths."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype).cuda()
+        assert torch.equal(kernels.nhd_to_hnd(x, use_kernel=True), kernels.nhd_to_hnd_ref(x))
+        hnd = kernels.nhd_to_hnd_ref(x)
+        assert torch.equal(kernels.hnd_to_nhd(hnd, use_kernel=True), x)
+        qr, sr = kernels.fp8_pack(x, use_kernel=False)
+        for variant in kernels.FP8_VARIANTS:
+            qk, sk = kernels.fp8_pack(x, use_kernel=True, variant=variant)
+            assert torch.equal(sk, sr) and torch.equal(qk, qr), (dtype, variant)
+        assert torch.equal(kernels.fp8_unpack(qr, sr, dtype, use_kernel=True),
+                           kernels.fp8_unpack_ref(qr, sr, dtype))
+        ids = list(range(shape[0]))[::-1]
+        assert torch.equal(kernels.gather_blocks(x, ids, use_kernel=True), x[ids])
 
 
 def test_the_build_module_needs_no_torch_and_agrees_with_the_loader():
