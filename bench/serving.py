@@ -16,6 +16,7 @@ Targets, all on the same cores, one after another:
   each) behind `vllm-router --vllm-pd-disaggregation`.
 
 With `--mixed`, each target serves the mixed workload instead (bench/serving_mixed.py).
+Starting and stopping the targets is bench/serving_targets.py.
 
 aiperf runs chat streaming with synthetic prompts of `--input-tokens`, `--output-tokens` output
 tokens (ignore_eos), `--requests` requests (at least 3x the concurrency), seed 7 + repeat. Writes
@@ -26,143 +27,17 @@ with ratios against vLLM in the same run).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
-import urllib.request
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "bench" / "results"
-MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Procs:
-    """Processes of one target, each in its own session so the whole group is stopped."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, **(env or {})})
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
-def wait_ok(url: str, procs: Procs, timeout: float = 600, check=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}; logs in {procs.logs}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                body = r.read()
-                if check is None or check(body):
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready in {timeout} s; logs in {procs.logs}")
-
-
-def vllm_cmd(python: str, folder: Path, port: int, max_len: int, extra: list[str]) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", str(max_len), *extra]
-
-
-def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) -> str:
-    """Starts `target`; returns the base URL aiperf talks to."""
-    vllm_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    if target == "vllm":
-        port = free_port()
-        procs.start("vllm", vllm_cmd(args.vllm_python, folder, port, max_len, []),
-                    {**vllm_env, "OMP_NUM_THREADS": str(args.threads)})
-        wait_ok(f"http://127.0.0.1:{port}/health", procs)
-        return f"http://127.0.0.1:{port}"
-    # `-thread` / `-proc`: the Tandem targets with the engine on a thread of the worker or in
-    # its own process (TANDEM_ENGINE_PROCESS reaches every worker `tandem up` starts).
-    engine_env = {}
-    for suffix, value in (("-thread", "false"), ("-proc", "true")):
-        if target.endswith(suffix) and target.startswith(("colocated", "pd")):
-            target, engine_env = target.removesuffix(suffix), {"TANDEM_ENGINE_PROCESS": value}
-    if target == "colocated":
-        port = free_port()
-        procs.start(target, [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model", str(folder),
-                             "--port", str(port), "--threads", str(args.threads),
-                             "--kv-memory", "2", "--max-model-len", str(max_len)], engine_env)
-        wait_ok(f"http://127.0.0.1:{port}/ready", procs)
-        return f"http://127.0.0.1:{port}"
-    if target == "pd":
-        port = free_port()
-        # By name, not path: the router serves the model under the name it was given.
-        procs.start("tandem-up", [str(ROOT / ".venv" / "bin" / "tandem"), "up", "--model", MODEL,
-                                  "--port", str(port), "--prefill", "1", "--decode", "1", "--threads", "1",
-                                  "--namespace", f"bench-serving-{uuid.uuid4().hex[:8]}"], engine_env)
-        wait_ok(f"http://127.0.0.1:{port}/ready", procs,
-                check=lambda b: len(json.loads(b).get("workers", [])) >= 2)
-        return f"http://127.0.0.1:{port}"
-    if target == "vllm-pd":
-        router = shutil_which("vllm-router")
-        ports = {}
-        for role, core in (("prefill", 0), ("decode", 1)):
-            ports[role] = free_port()
-            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-            procs.start(f"vllm-{role}", vllm_cmd(args.vllm_python, folder, ports[role], max_len,
-                                                  ["--kv-transfer-config", json.dumps(kv)]),
-                        {**vllm_env, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-        for role in ports:
-            wait_ok(f"http://127.0.0.1:{ports[role]}/health", procs)
-        port = free_port()
-        procs.start("vllm-router", [router, "--vllm-pd-disaggregation",
-                                    "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                                    "--decode", f"http://127.0.0.1:{ports['decode']}",
-                                    "--host", "127.0.0.1", "--port", str(port)])
-        wait_ok(f"http://127.0.0.1:{port}/health", procs)
-        return f"http://127.0.0.1:{port}"
-    raise ValueError(f"unknown target {target!r}")
-
-
-def shutil_which(name: str) -> str:
-    import shutil
-
-    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
-    if found is None:
-        raise RuntimeError(f"{name} is not installed (make install puts it in .venv)")
-    return found
+# bench/ is on sys.path when run as a script: its siblings import by their bare names.
+from serving_targets import MODEL, RESULTS, Procs, median, start_target  # noqa: E402
 
 
 def run_aiperf(args, url: str, folder: Path, conc: int, isl: int, seed: int, out: Path) -> dict:
@@ -191,11 +66,6 @@ def run_aiperf(args, url: str, folder: Path, conc: int, isl: int, seed: int, out
             "itl_p99_ms": stat("inter_token_latency", "p99"),
             "output_tok_s": stat("output_token_throughput", "avg"),
             "requests": requests}
-
-
-def median(runs: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(vals) if vals else None
 
 
 def markdown(summary: list[dict]) -> str:
@@ -248,7 +118,7 @@ def main() -> int:
     work = RESULTS / f"serving-{stamp}"
     work.mkdir(parents=True, exist_ok=True)
     if args.mixed:
-        from serving_mixed import main_mixed  # bench/ is on sys.path when run as a script
+        from serving_mixed import main_mixed
 
         main_mixed(args, targets, folder, work)
         return 0

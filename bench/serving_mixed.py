@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from serving import MODEL, RESULTS, Procs, median, start_target
+from serving_targets import MODEL, RESULTS, Procs, median, start_target  # bench/ is on sys.path
 
 
 def run_mixed(url: str, rep: int, out: Path) -> dict:

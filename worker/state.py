@@ -35,7 +35,7 @@ class WorkerState:
     settings: WorkerSettings
     registry: CollectorRegistry
     metrics: WorkerMetrics
-    parts: RoleParts = field(default_factory=RoleParts)  # what the role packages add
+    parts: RoleParts[WorkerState] = field(default_factory=RoleParts)  # what the role packages add
     engine: EngineClient | None = None
     connector: KVConnector | None = None
     publisher: WorkerPublisher | None = None
