@@ -146,6 +146,9 @@ class EngineConfig:
     attention_backend: str | None = None
     # No CUDA graphs: every step eager (vLLM's --enforce-eager). On CPU graphs are never used.
     enforce_eager: bool = False
+    # "auto": the folder's safetensors; "dummy": random weights drawn on the device, no
+    # checkpoint needed (benchmarks of a model shape: engine/shapes.py, bench/engine.py).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -160,6 +163,8 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1 (or None)")
         if self.max_long_prefills < 1:
             raise ValueError("max_long_prefills must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):
             raise ValueError(f"attention_backend must be sdpa or triton, got {self.attention_backend!r}")
 

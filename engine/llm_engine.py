@@ -64,7 +64,7 @@ class LLMEngine:
         ))
 
         self.model = load_model(self.folder, mc, self.max_model_len, self.device, self.dtype,
-                                config.pack_weights)
+                                config.pack_weights, config.load_format, config.seed)
 
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or num_blocks_for_memory(

@@ -105,7 +105,7 @@ def _write(out: Path, seed: int, config: dict | None, device: str, dtype: str,
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer_from is None:
-        _write_tokenizer(out)
+        write_tokenizer(out)
         return
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "special_tokens_map.json"):
@@ -113,7 +113,9 @@ def _write(out: Path, seed: int, config: dict | None, device: str, dtype: str,
             shutil.copy(Path(tokenizer_from) / name, out / name)
 
 
-def _write_tokenizer(out: Path) -> None:
+def write_tokenizer(out: Path) -> None:
+    """The byte-level tokenizer (ids 0-255 bytes, 256-258 specials) and its config; a larger
+    model vocabulary is fine: ids past the tokenizer decode to nothing."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 printable stand-ins for bytes

@@ -11,6 +11,8 @@ from engine.config import ModelConfig
 from engine.linear import packing_supported
 from engine.model import LlamaForCausalLM
 
+LOAD_FORMATS = ("auto", "dummy")  # auto: the folder's safetensors; dummy: random weights
+
 # checkpoint name fragment -> (fused parameter fragment, shard index within the fused tensor)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -79,13 +81,38 @@ def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(got)} != model shape {tuple(want)}")
 
 
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights drawn where the model lives (vLLM's `load_format="dummy"`): no checkpoint
+    is read, so a model of real size is ready in a second on a GPU. Scales keep activations of
+    order one: embedding N(0, 1), matmul weights N(0, 1/fan_in), norms 1, biases 0."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 1.0, generator=gen)
+            else:
+                param.normal_(0.0, param.shape[1] ** -0.5, generator=gen)
+
+
 def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device,
-               dtype: torch.dtype, pack_weights: bool) -> LlamaForCausalLM:
-    """The model of `folder` on `device`, weights loaded, matmuls packed where supported."""
+               dtype: torch.dtype, pack_weights: bool, load_format: str = "auto",
+               seed: int = 0) -> LlamaForCausalLM:
+    """The model of `folder` on `device`, weights loaded (or drawn at random with
+    `load_format="dummy"`), matmuls packed where supported."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model = model.to(dtype).to_empty(device=device)
-    load_weights(model, folder)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, folder)
     model.model.rope.init_tables(device)
     if pack_weights and packing_supported(device, dtype):
         model.pack_weights()
