@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.bounds import (
+    MAX_LOGPROBS,
+    MAX_PROMPT_TOKENS,
     BlockHashes,
     BlockIds,
     EngineId,
@@ -30,6 +32,7 @@ from common.bounds import (
     StopTokenIds,
     Temperature,
     Timestamp,
+    TokenId,
     TokenIds,
     TopK,
     TopP,
@@ -39,6 +42,11 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 MAX_GRAMMAR_CHARS = 64 << 10
+# What one stream event may carry: the router trusts no worker with unbounded lists (a worker
+# that sent ids past uint32 gave a 500; one that sent 60,000-entry logprob lists had them
+# relayed). An answer out of these bounds is a failed worker (router/backend.py `parse`).
+MAX_EVENT_TOKENS = 1 << 16
+MAX_ERROR_CHARS = 4096
 
 
 class StructuredOutput(BaseModel):
@@ -102,9 +110,9 @@ class KVTransferParams(BaseModel):
 
 
 class TokenLogprob(BaseModel):
-    token_id: int
+    token_id: TokenId
     logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
+    top: list[tuple[TokenId, float]] = Field(default_factory=list, max_length=MAX_LOGPROBS + 1)
 
 
 class PrefillRequest(BaseModel):
@@ -117,11 +125,11 @@ class PrefillRequest(BaseModel):
 
 
 class PrefillResponse(BaseModel):
-    request_id: str
+    request_id: str = Field(max_length=1024)
     # None when the decode leg produces every token (a vLLM backend: its prefill's token is
     # not used, so sampled text stays one draw).
-    first_token_id: int | None
-    num_cached_tokens: int
+    first_token_id: TokenId | None
+    num_cached_tokens: int = Field(ge=0, le=MAX_PROMPT_TOKENS)
     kv_transfer_params: KVTransferParams
     first_token_logprob: TokenLogprob | None = None
     # Set when the request ended at its first token (EOS, stop, max_tokens=1): no decode leg.
@@ -157,10 +165,10 @@ class RequestTiming(BaseModel):
 class StreamEvent(BaseModel):
     """One chunk of a `/generate` stream: new token ids, and a finish reason on the last one."""
 
-    request_id: str
-    token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    request_id: str = Field(max_length=1024)
+    token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_EVENT_TOKENS)
+    logprobs: list[TokenLogprob] | None = Field(None, max_length=MAX_EVENT_TOKENS)
     finish_reason: FinishReason | None = None
-    error: str | None = None
-    num_cached_tokens: int | None = None
+    error: str | None = Field(None, max_length=MAX_ERROR_CHARS)
+    num_cached_tokens: int | None = Field(None, ge=0, le=MAX_PROMPT_TOKENS)
     timing: RequestTiming | None = None

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from common.background import BackgroundErrors
+from common.background import BackgroundErrors, cancelling
 from common.block_events import MAX_HASHES_PER_ENTRY, BlockEvent, StreamEntry
 from common.hashing import hash_member
 from common.redis_client import connect
@@ -111,7 +111,7 @@ class WorkerPublisher:
         next_beat = 0.0
         backoff = 0.2
         loop = asyncio.get_running_loop()
-        while True:
+        while not cancelling():
             try:
                 if self._resync:
                     await self._rewrite()
@@ -175,11 +175,14 @@ class WorkerPublisher:
         wkey, bkey = self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id)
         # `events`: where this worker's stream stands, so a reader that lost the tail sees it.
         fields = {**self._fields, "load": json.dumps(self._load()), "events": f"{self.epoch}:{self.seq}"}
-        pipe = self.redis.pipeline(transaction=False)
+        # The whole hash is rewritten at once (MULTI): a field someone else added (which
+        # breaks the signature, so routers refuse the worker) lives one heartbeat at most.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(wkey)
         pipe.hset(wkey, mapping=fields)
         pipe.expire(wkey, int(self.ttl_s))
-        pipe.expire(bkey, int(self.ttl_s))
         await pipe.execute()
+        await self.redis.expire(bkey, int(self.ttl_s))
 
     async def _flush(self) -> None:
         with self._lock:

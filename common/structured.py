@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import time
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +71,17 @@ class StructuredFields(BaseModel):
             v is not None for v in (self.structured_outputs, self.guided_json, self.guided_regex,
                                     self.guided_choice, self.guided_grammar))
 
+    def constraint_field(self) -> str | None:
+        """The request field the constraint came from (for errors that name it)."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            return "response_format"
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
     def structured(self) -> StructuredOutput | None:
         """The request's one constraint; ValueError for two at once or a spec that does not
         compile."""
@@ -111,6 +124,70 @@ def _add(found: list, kind: str, value: Any, param: str) -> None:
     if kind in ("json", "choice") and not isinstance(value, str):
         value = json.dumps(value)
     found.append((kind, value, param))
+
+
+# What one constraint may cost, enforced by llguidance itself on every matcher (router and
+# engine): the fuel for building the lexer's regex ASTs is the limit a nested-repetition bomb
+# (`((a{1000}){1000})`: 40 bytes) exhausts; at the default (1M) its first mask took 1-2 s on the
+# engine thread, at this one ~50 ms, and then the matcher errs. Ordinary schemas use a few
+# thousand. See tests/security/test_round_two.py.
+INITIAL_LEXER_FUEL = 100_000
+# A constraint whose first masks take longer than this at the router is refused (400).
+CHECK_BUDGET_S = 0.25
+# The engine's per-mask deadline: a constrained row whose mask took longer ends with an error.
+MASK_DEADLINE_S = 0.5
+
+
+def parser_limits():
+    """llguidance's limits for every matcher Tandem builds."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer_file: str):
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_file)
+
+
+@functools.lru_cache(maxsize=1024)
+def check_cost(kind: str, spec: str, tokenizer_file: str, budget_s: float = CHECK_BUDGET_S) -> str | None:
+    """Why a compiled constraint would stall or fail an engine, or None when it is fine: a
+    matcher under `parser_limits()` computes its first mask, takes one allowed token and
+    computes the next (where a grammar bomb or a constraint nothing can satisfy errs), all
+    within `budget_s`. Releases the GIL while llguidance works; the verdict is cached per spec."""
+    import llguidance
+    import numpy as np
+    from llguidance.numpy import fill_next_token_bitmask
+
+    t0 = time.perf_counter()
+    tok = _ll_tokenizer(tokenizer_file)
+    matcher = llguidance.LLMatcher(tok, compile_grammar(kind, spec), log_level=0,
+                                   limits=parser_limits())
+    vocab = tok.vocab_size
+    bits = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)  # a bit per token, little-endian
+    for _ in range(2):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        fill_next_token_bitmask(matcher, bits, 0)
+        if matcher.is_error():
+            break
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].nonzero()[0]
+        allowed = [int(t) for t in allowed if t != tok.eos_token]
+        if not allowed:
+            break
+        matcher.consume_token(allowed[0])
+    if matcher.is_error():
+        return "the grammar engine gave up on it: " + (matcher.get_error() or "").splitlines()[0][:200]
+    if time.perf_counter() - t0 > budget_s:
+        return f"it costs more than {budget_s:g} s to start (too complex)"
+    return None
+
+
+def tokenizer_file_of(folder: str | Path) -> str:
+    return str(Path(folder) / "tokenizer.json")
 
 
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -11,7 +11,11 @@ def stop_reason(seq: Sequence, token_id: int, num_new_chars: int, max_model_len:
     """Why `seq` stops after `token_id` (whose text added `num_new_chars`), or None. A stop
     string found in the text is cut from `seq.text`."""
     p = seq.params
-    if seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+    if seq.matcher is not None and seq.matcher.is_error():
+        # The grammar engine gave up (engine/structured_output.py): the output cannot be
+        # trusted to follow the constraint, so the request ends with an error, not `stop`.
+        return "error"
+    if seq.matcher is not None and seq.matcher.is_stopped():
         # The grammar is complete (its EOS was sampled, or nothing may follow).
         seq.stop_reason = token_id
         return "stop"

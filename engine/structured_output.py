@@ -13,20 +13,47 @@ seeded and top-k/p sampling all stay inside the grammar.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from common.structured import compile_grammar
+from common.structured import MASK_DEADLINE_S, compile_grammar, parser_limits
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class FailedMatcher:
+    """Stands in for a matcher that gave up (its limits, or the per-mask deadline): the row
+    samples freely for its last token, and the stop check ends it with finish reason `error`
+    (engine/stop.py), never `stop` with output that breaks the constraint."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def is_error(self) -> bool:
+        return True
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def get_error(self) -> str:
+        return self.error
+
+    def consume_token(self, token_id: int) -> bool:
+        return False
 
 
 class StructuredOutputs:
     """The engine's grammar state: one tokenizer view for llguidance, one matcher per sequence."""
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 mask_deadline_s: float = MASK_DEADLINE_S) -> None:
         self.tokenizer_file = tokenizer_file
+        self.mask_deadline_s = mask_deadline_s
         self.vocab_size = vocab_size  # the model's (logits' width), which may pad the tokenizer's
         self.eos_token_ids = list(eos_token_ids)
 
@@ -43,7 +70,8 @@ class StructuredOutputs:
         import llguidance
 
         s = seq.params.structured
-        matcher = llguidance.LLMatcher(self._tokenizer, compile_grammar(s.kind, s.spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, compile_grammar(s.kind, s.spec), log_level=0,
+                                       limits=parser_limits())
         if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
             raise ValueError("the output tokens given do not follow the request's structured output "
                              f"constraint: {matcher.get_error()}")
@@ -62,7 +90,20 @@ class StructuredOutputs:
         # the unconstrained decode rate on 2 cores (its threads take the CPU from torch's);
         # sequential, 0.99x (bench/grammar.py).
         for j, i in enumerate(rows):
-            fill_next_token_bitmask(seqs[i].matcher, bits, j)
+            seq = seqs[i]
+            t0 = time.perf_counter()
+            if not seq.matcher.is_error():
+                fill_next_token_bitmask(seq.matcher, bits, j)
+            elapsed = time.perf_counter() - t0
+            if seq.matcher.is_error() or elapsed > self.mask_deadline_s:
+                # This row's constraint failed: its last token is free, then it ends with an
+                # error (a grammar that stalls the engine thread stalls every request on it).
+                why = (seq.matcher.get_error() or "error") if seq.matcher.is_error() else \
+                    f"a mask took {elapsed:.2f} s (deadline {self.mask_deadline_s:g} s)"
+                log.warning("request %s: structured output failed: %s", seq.request_id,
+                            why.splitlines()[0][:200])
+                seq.matcher = FailedMatcher(why)
+                bits[j] = -1
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         with torch.inference_mode():  # the runner's logits are inference tensors
             allowed_t = torch.from_numpy(allowed.astype(bool)).to(logits.device)  # [rows, vocab]

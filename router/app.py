@@ -32,7 +32,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     # Errors answered before a model is known (413, a client gone) count under no model.
     app = FrontedAPI(title="Tandem router", lifespan=lifespan, max_body_bytes=settings.max_body_bytes,
-                     on_error=lambda status: gw.metrics.count(status, NO_MODEL))
+                     body_timeout_s=settings.body_timeout_s, on_error=lambda status: gw.metrics.count(status, NO_MODEL))
     install_error_handlers(app)
 
     async def serve(chat: bool, headers, raw: bytes) -> Response:
@@ -98,7 +98,9 @@ def add_info_routes(app: FastAPI, gw: Gateway) -> None:
         return JSONResponse({"ready": ok, "workers": {w.worker_id: w.role for w in live},
                              "models": served_models(gw), "redis": gw.directory.redis_ok,
                              "index": gw.index.stats() if gw.index is not None else None,
-                             "draining": gw.draining}, 200 if ok else 503)
+                             "draining": gw.draining}, 200 if ok else 503,
+                            headers={"X-Tandem-Instance": gw.settings.instance_nonce}
+                            if gw.settings.instance_nonce else None)
 
 
 def served_models(gw: Gateway) -> list[str]:

@@ -89,6 +89,14 @@ class Dispatcher:
                     async for ev in events:
                         if trace.first_token_at is None and ev.token_ids:
                             trace.first_token_at = time.perf_counter()
+                        room = sampling.max_tokens - len(sent)
+                        if len(ev.token_ids) >= room and ev.finish_reason is None or \
+                                len(ev.token_ids) > room:
+                            # The router enforces max_tokens itself: a worker that streams on
+                            # (400,000 tokens for max_tokens 8, once) is cut, not relayed.
+                            ev = ev.model_copy(update={
+                                "token_ids": ev.token_ids[:max(room, 0)], "finish_reason": "length",
+                                "logprobs": ev.logprobs[:max(room, 0)] if ev.logprobs else ev.logprobs})
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or RequestTiming()

@@ -8,6 +8,8 @@ what the OpenAPI schema describes."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
@@ -18,6 +20,7 @@ from common.body_limit import too_large
 from common.errors import APIError, error_response
 
 Handler = Callable[[Headers, bytes], Awaitable[Response]]
+log = logging.getLogger(__name__)
 
 
 class FrontedAPI(FastAPI):
@@ -25,10 +28,11 @@ class FrontedAPI(FastAPI):
     body is read whole (refused with 413 past `max_body_bytes`, declared or chunked) and goes
     to `handler(headers, body)`, whose response or error is sent as is."""
 
-    def __init__(self, *args, max_body_bytes: int,
+    def __init__(self, *args, max_body_bytes: int, body_timeout_s: float = 30.0,
                  on_error: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s  # the whole body must arrive within this
         self.on_error = on_error  # told the status of every error answered here
         self._direct: dict[str, Handler] = {}
 
@@ -42,13 +46,38 @@ class FrontedAPI(FastAPI):
             return
         headers = Headers(scope=scope)
         try:
-            body = await self._body(headers, receive)
-            response = await handler(headers, body)
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    body = await self._body(headers, receive)
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within "
+                               f"{self.body_timeout_s:g} s", "request_timeout") from None
+            response = await self._unless_gone(handler(headers, body), receive)
+            if response is None:  # the client left: its request was cancelled, nobody to answer
+                if self.on_error is not None:
+                    self.on_error(499)
+                return
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-format answer
             response = error_response(e, scope["path"])
             if self.on_error is not None:
                 self.on_error(response.status_code)
         await response(scope, receive, send)
+
+    @staticmethod
+    async def _unless_gone(work: Awaitable[Response], receive) -> Response | None:
+        """`work`'s response, or None when the client disconnects first: then `work` is
+        cancelled, which closes its worker streams (the workers abort the generation)."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                log.info("client disconnected: request cancelled")
+        return task.result() if not task.cancelled() else None
 
     async def _body(self, headers: Headers, receive) -> bytes:
         limit = self.max_body_bytes
@@ -67,3 +96,9 @@ class FrontedAPI(FastAPI):
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+async def _disconnect(receive) -> None:
+    """Returns when the client has gone (the body is read: nothing else can arrive)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 
 import aiohttp
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from common.background import BackgroundErrors
 from common.errors import APIError
@@ -20,6 +21,7 @@ from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
 from common.redis_client import connect
 from common.registry import RedisKeys
+from common.structured import check_cost, tokenizer_file_of
 from common.tool_calls import PARSERS, constrain_tools
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
@@ -75,6 +77,9 @@ class Gateway:
         self.dispatcher = dispatcher
         self.keys = RedisKeys(settings.namespace)
         self.draining = False
+        # Grammar checks run in threads (llguidance releases the GIL); two at a time, so a
+        # flood of distinct constraints costs the router two cores' worth at most.
+        self._grammar_checks = asyncio.Semaphore(2)
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> Gateway:
@@ -189,6 +194,12 @@ class Gateway:
             lp = body.logprobs
         try:
             opts = body.sampling_options(self.settings.max_tokens_default, n_index, lp)
+        except ValidationError as e:  # pydantic's own text (with its URL) is not for clients
+            first = e.errors(include_url=False)[0]
+            field = ".".join(str(x) for x in first.get("loc", ()))
+            raise APIError(400, f"{field}: {first.get('msg')}" + (
+                f" (choice {n_index})" if body.n > 1 else ""), "invalid_request",
+                field or None) from e
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request", getattr(e, "param", None)) from e
         if isinstance(body, ChatCompletionRequest):
@@ -238,23 +249,50 @@ class Gateway:
                            "context_length_exceeded", param)
         return ids
 
-    async def run_one(self, body, model: ServedModel, prompt: list[int], idx: int, rid: str,
-                      client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
+    async def choice_options(self, body, model: ServedModel) -> list[SamplingOptions]:
+        """Every choice's sampling options, all validated before any choice starts (a 400 for
+        the last one must not leave the others generating). A constraint is compiled and its
+        first masks computed off the event loop, within a time budget: one that would stall
+        or fail an engine is a 400 naming its field (common/structured.py `check_cost`)."""
+        if not (body.constrained() or getattr(body, "tools", None)):
+            return [self.sampling(body, i) for i in range(body.n)]
+        async with self._grammar_checks:
+            return await asyncio.to_thread(self._constrained_options, body, model)
+
+    def _constrained_options(self, body, model: ServedModel) -> list[SamplingOptions]:
+        opts = [self.sampling(body, i) for i in range(body.n)]
+        s = opts[0].structured
+        if s is not None and model.tokenizer_source:
+            why = check_cost(s.kind, s.spec, tokenizer_file_of(model.tokenizer_source))
+            if why is not None:
+                param = body.constraint_field() or "tool_choice"
+                raise APIError(400, f"{param}: the output constraint cannot be served: {why}",
+                               "invalid_request", param)
+        return opts
+
+    async def run_one(self, body, model: ServedModel, prompt: list[int], opts: SamplingOptions,
+                      rid: str, client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
         """One choice's events as they come, each with the request's trace."""
-        # A grammar compiles in the sampling options: off the event loop, so one huge schema
-        # cannot stall every other request (compiles are cached, so only the first one costs).
-        constrained = body.constrained() or getattr(body, "tools", None)
-        opts = await asyncio.to_thread(self.sampling, body, idx) if constrained else self.sampling(body, idx)
         plan = await self.route(model, prompt)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
             async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace)) as events:
                 async for ev in events:
+                    if ev.finish_reason == "error":
+                        # The grammar engine gave up on the constraint (engine/stop.py): the
+                        # output would break it, so it is not answered as `stop`.
+                        param = body.constraint_field() or "tool_choice"
+                        raise APIError(400, f"{param}: the output constraint failed in the "
+                                       "grammar engine", "structured_output_failed", param)
                     yield ev, trace
         except RequestRejected as e:
+            log_failure(rid, trace, f"refused by a worker (HTTP {e.status}): {e}")
             raise APIError(e.status, str(e), "rejected_by_worker") from e
         except WorkerFailure as e:
-            raise APIError(503, f"no worker could serve the request: {e}", "worker_failure",
+            # What failed where goes to the log; the client learns only that it failed (worker
+            # ids carry addresses, exception reprs carry internals).
+            log_failure(rid, trace, str(e))
+            raise APIError(503, "no worker could serve the request", "worker_failure",
                            headers={"Retry-After": "1"}) from e
 
     def observe_trace(self, trace: Trace | None) -> None:
@@ -271,7 +309,20 @@ class Gateway:
             m.retries.labels("resume", model).inc(trace.resumed)
 
 
-async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+def log_failure(request_id: str, trace: Trace, cause: str) -> None:
+    """The one log line of a failed request: its id, plan, workers and cause."""
+    log.warning("request %s failed: plan %s, prefill %s, decode %s, resumed %d: %s", request_id,
+                trace.plan, trace.prefill_worker, trace.decode_worker, trace.resumed, cause,
+                extra={"request_id": request_id})
+
+
+async def _cancel_all(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
+    """Cancel the background loops and wait for them, a bounded time: each also checks
+    `cancelling()` (a client library can swallow a cancellation), and a shutdown that waited
+    forever kept a router whose bind failed alive."""
     for t in tasks:
         t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            log.warning("background task %s did not stop within %.0f s", t.get_name(), timeout_s)

@@ -96,9 +96,11 @@ class PrefixIndex(Protocol):
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         """The router routed these blocks to `worker_id` (used by approximate backends)."""
 
-    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+    def track(self, workers: dict[str, str], data_lost: bool = False,
+              capacities: dict[str, int] | None = None) -> None:
         """The Redis-registered workers now (id -> their registration's `events` field); with
-        `data_lost`, Redis lost its data since the last call."""
+        `data_lost`, Redis lost its data since the last call; `capacities`: each worker's
+        registered number of KV blocks (what its set may hold, give or take)."""
 
     async def run(self, interval_s: float) -> None:
         """Keep whatever the index holds up to date (returns at once if it holds nothing)."""
@@ -137,7 +139,8 @@ class RedisPrefixIndex:
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         pass  # workers publish what they really hold
 
-    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+    def track(self, workers: dict[str, str], data_lost: bool = False,
+              capacities: dict[str, int] | None = None) -> None:
         pass  # nothing kept here
 
     async def run(self, interval_s: float) -> None:
@@ -163,10 +166,11 @@ class ReplicaPrefixIndex:
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         pass  # workers publish what they really hold
 
-    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+    def track(self, workers: dict[str, str], data_lost: bool = False,
+              capacities: dict[str, int] | None = None) -> None:
         if data_lost:
             self.feed.resync_all()
-        self.feed.track(workers)
+        self.feed.track(workers, capacities)
 
     async def run(self, interval_s: float) -> None:
         await self.feed.run(interval_s)
@@ -191,7 +195,8 @@ class MemoryPrefixIndex:
     def stats(self) -> dict:
         return {"backend": "memory", "workers": len(self._sets)}
 
-    def track(self, workers: dict[str, str], data_lost: bool = False) -> None:
+    def track(self, workers: dict[str, str], data_lost: bool = False,
+              capacities: dict[str, int] | None = None) -> None:
         pass  # it learns from routing, not from registrations
 
     async def run(self, interval_s: float) -> None:

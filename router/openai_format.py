@@ -101,12 +101,15 @@ def cut_stops(text: str, stops: list[str], finish):
     return text[:found[0]], "stop"
 
 
-def timing_field(trace: Trace | None, t_start: float) -> dict:
-    """The `tandem` field of a response: plan, workers, cached tokens and where the time went."""
+def timing_field(trace: Trace | None, t_start: float, expose_workers: bool = False) -> dict:
+    """The `tandem` field of a response: plan, workers (their ids carry addresses: only with
+    `expose_workers`, an operator's choice), cached tokens and where the time went."""
     if trace is None:
         return {}
     wt = trace.worker_timing
-    return {"plan": trace.plan, "client_request_id": trace.client_request_id, "prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
+    workers = {"prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker} \
+        if expose_workers else {}
+    return {"plan": trace.plan, "client_request_id": trace.client_request_id, **workers,
             "num_cached_tokens": trace.num_cached_tokens, "queue_s": wt.queue_s,
             "prefill_s": trace.prefill_s, "transfer_s": wt.transfer_s,
             "transfer_bytes": wt.transfer_bytes,

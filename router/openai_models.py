@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.bounds import Logprobs, MaxTokens, TokenId
 from common.chat_messages import ChatFields
@@ -42,3 +42,13 @@ class CompletionRequest(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        # Refused until implemented: accepted and ignored, it gave likelihood-scoring harnesses
+        # (lm-eval's loglikelihood requests) silently wrong numbers.
+        if v:
+            raise ValueError("echo is not supported by this server (no prompt text or prompt "
+                             "logprobs would be returned)")
+        return v

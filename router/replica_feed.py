@@ -19,7 +19,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from common.background import BackgroundErrors
+from common.background import BackgroundErrors, cancelling
 from common.block_events import StreamEntry
 from common.hashing import member_hash
 from common.registry import EVENT_SHARDS, RedisKeys
@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 READ_COUNT = 2000  # entries per stream per read
 SNAPSHOTS_PER_POLL = 32  # set re-reads per poll, so a fleet joining at once is spread out
 SNAPSHOT_SLICE = 20_000  # set members applied between two yields to the event loop
+ENTRIES_PER_YIELD = 64  # stream entries applied between two yields to the event loop
+# What one worker's set may hold in the replica: its registered capacity (KV blocks), with
+# slack for events in flight, or this where it registered none. A Redis writer who forges
+# `stored` entries or set members under a real worker's id gets no further than that.
+MIN_BLOCKS_PER_WORKER = 4096
+MAX_BLOCKS_PER_WORKER = 1 << 20
 _MASK = (1 << 64) - 1
 
 
@@ -50,15 +56,19 @@ class ReplicaFeed:
         self._cursors: dict[str, _Cursor] = {}  # tracked workers
         self._heartbeats: dict[str, tuple[str, int]] = {}  # what registrations last said
         self._stale: set[str] = set()  # workers whose set must be re-read
+        self._caps: dict[str, int] = {}  # worker id -> most blocks its set may hold here
         self.num_snapshots = 0
         self.num_gaps = 0
         self.num_entries = 0
 
     # ---- which workers -----------------------------------------------------------------------
 
-    def track(self, workers: dict[str, str]) -> None:
+    def track(self, workers: dict[str, str], capacities: dict[str, int] | None = None) -> None:
         """The Redis-registered workers now, with their registrations' `events` ("epoch:seq"):
         newcomers are read in full, leavers dropped."""
+        capacities = capacities or {}
+        self._caps = {wid: max(2 * capacities[wid], MIN_BLOCKS_PER_WORKER)
+                      if capacities.get(wid) else MAX_BLOCKS_PER_WORKER for wid in workers}
         for wid in list(self._cursors):
             if wid not in workers:
                 self._forget(wid)
@@ -92,20 +102,30 @@ class ReplicaFeed:
             pipe = self.redis.pipeline(transaction=False)
             for shard in range(EVENT_SHARDS):
                 pipe.xrevrange(self.keys.events(shard), count=1)
-            tails = await pipe.execute()
-            self._stream_ids = {s: (t[0][0] if t else b"0-0") for s, t in enumerate(tails)}
+            tails = await pipe.execute(raise_on_error=False)
+            self._stream_ids = {s: (t[0][0] if t and not isinstance(t, Exception) else b"0-0")
+                                for s, t in enumerate(tails)}
         beats = dict(self._heartbeats)  # read before the streams: they name older entries
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(EVENT_SHARDS):
             pipe.xread({self.keys.events(shard): self._stream_ids[shard]}, count=READ_COUNT)
-        replies = await pipe.execute()
+        # Each stream on its own: a key of the wrong type is skipped (and counted), not an
+        # error that stops every shard's feed.
+        replies = await pipe.execute(raise_on_error=False)
         drained = True
+        applied = 0
         for shard, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                self.errors.record("index_feed", f"stream {shard} unreadable: {reply}")
+                continue
             for _stream, entries in reply or ():
                 drained &= len(entries) < READ_COUNT
                 for entry_id, fields in entries:
                     self._stream_ids[shard] = entry_id
                     self._apply(fields)
+                    applied += 1
+                    if applied % ENTRIES_PER_YIELD == 0:
+                        await asyncio.sleep(0)  # lookups (and /health) do not wait for a flood
         if drained:
             self._check_heartbeats(beats)
         await self._snapshot()
@@ -131,6 +151,10 @@ class ReplicaFeed:
             self._stale.add(e.worker_id)
         cursor.epoch, cursor.seq = e.epoch, e.seq
         if e.kind == "stored":
+            if self.replica.num_blocks(e.worker_id) + len(e.block_hashes) > self._cap(e.worker_id):
+                self.errors.record("index_feed", f"worker {e.worker_id!r} claims more blocks "
+                                   "than it can hold: entry skipped")
+                return
             self.replica.add(e.worker_id, e.block_hashes)
         elif e.kind == "removed":
             self.replica.remove(e.worker_id, e.block_hashes)
@@ -155,11 +179,29 @@ class ReplicaFeed:
             return
         pipe = self.redis.pipeline(transaction=False)
         for wid in wids:
+            pipe.scard(self.keys.blocks(wid))
+        sizes = await pipe.execute(raise_on_error=False)
+        readable = []
+        for wid, size in zip(wids, sizes, strict=True):
+            if isinstance(size, Exception) or size > self._cap(wid):
+                self._stale.discard(wid)  # re-read when its next epoch or gap says so
+                self.replica.clear(wid)
+                self.errors.record("index_feed", f"block set of {wid!r} skipped: "
+                                   f"{size if isinstance(size, Exception) else 'too large'}")
+            else:
+                readable.append(wid)
+        if not readable:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in readable:
             pipe.smembers(self.keys.blocks(wid))
-        sets = await pipe.execute()
-        for wid, members in zip(wids, sets, strict=True):
+        sets = await pipe.execute(raise_on_error=False)
+        for wid, members in zip(readable, sets, strict=True):
             self._stale.discard(wid)
             self.replica.clear(wid)
+            if isinstance(members, Exception):
+                self.errors.record("index_feed", f"block set of {wid!r} unreadable: {members}")
+                continue
             members = list(members)
             # In slices, yielding between them: a fleet's sets are millions of entries, and
             # lookups must not wait for them (a half-read set only costs misses meanwhile).
@@ -168,9 +210,12 @@ class ReplicaFeed:
                 await asyncio.sleep(0)
             self.num_snapshots += 1
 
+    def _cap(self, wid: str) -> int:
+        return self._caps.get(wid, MAX_BLOCKS_PER_WORKER)
+
     async def run(self, interval_s: float) -> None:
         failing = False
-        while True:
+        while not cancelling():
             try:
                 await self.poll()
                 failing = False
@@ -195,3 +240,4 @@ def _hashes(members: list[bytes]) -> list[int]:
     except ValueError:
         pass
     return [h for h in map(member_hash, members) if h is not None]
+

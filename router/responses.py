@@ -10,7 +10,6 @@ from contextlib import AsyncExitStack
 
 import orjson
 from fastapi import Response
-from fastapi.responses import StreamingResponse
 
 from common.openai_response import choice, envelope, usage
 from common.protocol import TokenLogprob
@@ -24,7 +23,7 @@ from router.openai_format import (
     timing_field,
     wants_logprobs,
 )
-from router.sse import sse
+from router.sse import DeadlineStreamingResponse, sse
 
 
 async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None) -> Response:
@@ -40,11 +39,13 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}"
     gw.metrics.prompt_tokens.labels(model.name).inc(len(prompt) * body.n)
     created = int(time.time())
+    # Every choice is validated before any starts (and before an admission slot is taken).
+    opts = await gw.choice_options(body, model)
     async with AsyncExitStack() as admitted:
-        await admitted.enter_async_context(gw.admission.slot(body.priority))
+        await admitted.enter_async_context(gw.admission.slot(body.priority, body.n))
         if body.stream:
-            gens = [gw.run_one(body, model, prompt, i, rid if body.n == 1 else f"{rid}-{i}", client_rid)
-                    for i in range(body.n)]
+            gens = [gw.run_one(body, model, prompt, opts[i], rid if body.n == 1 else f"{rid}-{i}",
+                               client_rid) for i in range(body.n)]
             for gen in gens:  # closed with the stream, or here if a choice fails to start
                 admitted.push_async_callback(gen.aclose)
             # Errors before the first token are HTTP errors (the headers are not sent yet). Every
@@ -56,18 +57,36 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
                     raise first
             # The stream holds the admission slot (and its worker streams) until it ends.
             slot = admitted.pop_all()
-            return StreamingResponse(sse(gw, model, list(zip(firsts, gens, strict=True)), body, chat,
-                                         rid, created, prompt, t_start, slot),
-                                     media_type="text/event-stream")
+            return DeadlineStreamingResponse(
+                sse(gw, model, list(zip(firsts, gens, strict=True)), body, chat, rid, created,
+                    prompt, t_start, slot),
+                write_timeout_s=gw.settings.stream_write_timeout_s, media_type="text/event-stream")
         if body.n == 1:  # no task per choice for the common case
-            results = [await _collect(gw, model, gw.run_one(body, model, prompt, 0, rid, client_rid),
+            results = [await _collect(gw, model, gw.run_one(body, model, prompt, opts[0], rid, client_rid),
                                       body, t_start)]
         else:
-            results = await asyncio.gather(*[
-                _collect(gw, model, gw.run_one(body, model, prompt, i, f"{rid}-{i}", client_rid),
+            results = await _all_or_none([
+                _collect(gw, model, gw.run_one(body, model, prompt, opts[i], f"{rid}-{i}", client_rid),
                          body, t_start)
                 for i in range(body.n)])
     return _json_response(gw, model, results, body, chat, rid, created, prompt, t_start)
+
+
+async def _all_or_none(coros) -> list:
+    """Every result, or the first error with the other choices cancelled (their worker streams
+    closed, which aborts them on the workers): one failed choice fails the request, and nothing
+    keeps generating for a client that already has its 4xx."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _token_text(model: ServedModel):
@@ -92,7 +111,7 @@ def _json_response(gw: Gateway, model: ServedModel, results, body, chat, rid, cr
                 c["finish_reason"] = "tool_calls"
         choices.append(c)
     gw.metrics.count(200, model.name)
-    timing = timing_field(results[0][4], t_start)
+    timing = timing_field(results[0][4], t_start, gw.settings.expose_worker_ids)
     trace = results[0][4]
     cached = trace.num_cached_tokens if trace is not None else None
     out = envelope(rid, chat, created, body.model, choices, usage_=usage(len(prompt), n_out, cached))

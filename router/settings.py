@@ -78,6 +78,13 @@ class RouterSettings(BaseSettings):
                                    "in-flight requests may take to finish after the router stops "
                                    "listening")
     request_timeout_s: float = Field(300.0, description="longest a request may take end to end")
+    stream_write_timeout_s: float = Field(30.0, gt=0, description="a streaming client that "
+                                          "accepts no data for this long is cut (its slot and "
+                                          "worker streams are freed)")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a "
+                                    "request's complete headers within this")
+    body_timeout_s: float = Field(30.0, gt=0, description="... and its complete body within "
+                                  "this")
     # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried
     # elsewhere or done locally, a decode stream resumes on another worker.
     prefill_timeout_s: float = Field(60.0, description="longest prefill leg before it is retried "
@@ -105,6 +112,12 @@ class RouterSettings(BaseSettings):
     transfer_fixed_s: float = Field(0.005, description="fixed cost of the second leg: HTTP call, "
                                     "handshake, notification")
     max_body_bytes: int = Field(4 << 20, description="largest request body")
+    expose_worker_ids: bool = Field(False, description="name the prefill and decode workers "
+                                    "(their ids carry host and port) in each response's "
+                                    "`tandem` field; off: they are left out")
+    instance_nonce: str | None = Field(None, max_length=128, description="echoed in /ready's "
+                                       "X-Tandem-Instance header, so whoever started this router "
+                                       "(tandem up) knows the one answering is its own")
     offload_chars: int = Field(16 << 10, description="texts longer than this are tokenized off "
                                "the event loop")
     max_model_len_default: int = Field(8192, description="context limit while no worker has "

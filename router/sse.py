@@ -6,9 +6,13 @@ logprobs, tool-call deltas, the `tandem` timing field on each choice's last chun
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+
+import anyio
+from starlette.responses import StreamingResponse
 
 from common.errors import APIError
 from common.openai_response import chunk_choice, envelope, usage
@@ -25,6 +29,41 @@ from router.openai_format import (
     timing_field,
     wants_logprobs,
 )
+
+log = logging.getLogger(__name__)
+
+# Frames buffered per choice between its worker stream and the client: past this a choice waits
+# (backpressure up to the worker), instead of the router buffering n x max_tokens frames.
+FRAMES_PER_CHOICE = 32
+
+
+class DeadlineStreamingResponse(StreamingResponse):
+    """A stream whose every write must complete within `write_timeout_s`: a client that stops
+    reading is cut, and its admission slot and worker streams are freed, instead of holding
+    them for as long as its TCP window stays shut."""
+
+    def __init__(self, content, *, write_timeout_s: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+        self.timed_out = False
+
+    async def stream_response(self, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                try:
+                    async with asyncio.timeout(self.write_timeout_s):
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except TimeoutError:
+                    self.timed_out = True
+                    log.warning("a streaming client read nothing for %.0f s: stream cut",
+                                self.write_timeout_s)
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with anyio.CancelScope(shield=True):  # the slot and worker streams go now, not at GC
+                await self.body_iterator.aclose()
 
 
 class ChoiceStream:
@@ -100,7 +139,7 @@ class ChoiceStream:
             if self.tools.num_calls:
                 finish = "tool_calls"
         final = self.chunk("", finish or "stop")
-        final["tandem"] = timing_field(self.trace, self.t_start)
+        final["tandem"] = timing_field(self.trace, self.t_start, self.gw.settings.expose_worker_ids)
         yield sse_data(final)
 
     def _tool_frames(self, out: tuple[str, list[dict]]):
@@ -145,7 +184,7 @@ async def sse(gw: Gateway, served: ServedModel, starts: list, body, chat: bool, 
 
 async def _interleave(parts: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """Frames of several choices in the order they are ready; the first error ends them all."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(FRAMES_PER_CHOICE * len(parts))
     done = object()
 
     async def pump(part: AsyncIterator[bytes]) -> None:

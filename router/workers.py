@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 
-from common.background import BackgroundErrors
+from common.background import BackgroundErrors, cancelling
 from common.model_identity import check_name
 from common.registry import ProbedModel, RedisKeys, WorkerRegistration
 from router.backends import BACKENDS
@@ -49,6 +49,8 @@ class WorkerDirectory:
         self._sentinel = f"{keys.prefix}router:{uuid.uuid4().hex}"
         self.restart_grace_s = restart_grace_s
         self._grace_until = 0.0
+        self._last_ok: float | None = None  # when Redis last answered a whole refresh
+        self.refresh_interval_s = 0.5  # set by `run`
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.workers: dict[str, WorkerInfo] = {}
@@ -88,26 +90,40 @@ class WorkerDirectory:
             pipe = redis.pipeline(transaction=False)
             for k in keys:
                 pipe.hgetall(k)
-            infos = await pipe.execute()
+            # Each answer on its own: one key of the wrong type (anyone who can write to Redis
+            # can make one) is one skipped registration, not a failed discovery round.
+            infos = await pipe.execute(raise_on_error=False)
         except Exception as e:  # noqa: BLE001 - any Redis failure: keep the last view
             if self.redis_ok is not False:
                 log.warning("redis unavailable (%s): routing on the last known workers and load only", e)
             self.redis_ok = False
             return
         self.redis_ok = True
-        if lost and any(not w.static for w in self.workers.values()):
-            log.warning("redis lost its data: keeping %d known workers for %.1f s while they re-register",
-                        len(self.workers), self.restart_grace_s)
-            self._grace_until = time.monotonic() + self.restart_grace_s
+        now = time.monotonic()
+        # Away (down, or stalled: a refresh that hung counts too) for longer than a few
+        # rounds: keys may have expired while their workers could not reach Redis either. The
+        # sentinel alone misses a stall shorter than its own TTL (its write lands first).
+        away = self._last_ok is not None and now - self._last_ok > 2 * self.refresh_interval_s + 1.0
+        self._last_ok = now
+        if (lost or away) and any(not w.static for w in self.workers.values()):
+            log.warning("redis %s: keeping %d known workers for %.1f s while they re-register",
+                        "lost its data" if lost else "was unreachable", len(self.workers),
+                        self.restart_grace_s)
+            self._grace_until = now + self.restart_grace_s
         seen = set()
         for key, raw in zip(keys, infos, strict=True):
+            wid = self.keys.worker_id_of(key)
+            if isinstance(raw, Exception):
+                self.errors.record("worker_discovery", f"registration {wid!r} unreadable: {raw}",
+                                   key=f"unreadable:{wid}")
+                continue
             if not raw:
                 continue
-            wid = self.keys.worker_id_of(key)
             try:
                 reg = WorkerRegistration.from_hash(raw, wid, self.token)
             except (ValueError, UnicodeDecodeError) as e:
-                self.errors.record("worker_discovery", f"registration {wid!r} refused: {e}")
+                self.errors.record("worker_discovery", f"registration {wid!r} refused: {e}",
+                                   key=f"refused:{wid}")
                 continue
             seen.add(wid)
             w = self.workers.get(wid)
@@ -126,8 +142,9 @@ class WorkerDirectory:
                 log.info("worker left: %s", wid)
                 del self.workers[wid]
         if self.index is not None:
-            self.index.track({wid: w.events for wid, w in self.workers.items()
-                              if not w.static and w.backend == "tandem"}, data_lost=lost)
+            tracked = [w for w in self.workers.values() if not w.static and w.backend == "tandem"]
+            self.index.track({w.worker_id: w.events for w in tracked}, data_lost=lost,
+                             capacities={w.worker_id: w.capacity for w in tracked})
         await self.reconcile()
 
     async def leave(self, redis) -> None:
@@ -140,7 +157,8 @@ class WorkerDirectory:
             log.warning("could not remove %s from Redis: %s", self._sentinel, e)
 
     async def run(self, redis, interval_s: float) -> None:
-        while True:
+        self.refresh_interval_s = interval_s
+        while not cancelling():
             try:
                 await self.refresh(redis)
             except Exception as e:  # noqa: BLE001 - discovery must outlive any bad entry or bug
@@ -183,7 +201,7 @@ class WorkerDirectory:
         w.max_model_len = reg.max_model_len or w.max_model_len
 
     async def run_probes(self, probe, interval_s: float) -> None:
-        while True:
+        while not cancelling():
             try:
                 await self.probe_all(probe)
             except Exception as e:  # noqa: BLE001 - a probe bug must not end health checking

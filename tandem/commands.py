@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tandem.flags import given
 
+HEADER_TIMEOUT_S = 10.0  # workers: a connection's request head must arrive within this
+
 
 def _cache_dir(value: str | None) -> Path:
     # The edge is the one place the environment is read.
@@ -95,10 +97,15 @@ def router_settings(args: argparse.Namespace):
 def cmd_worker(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tandem.server import DrainingServer, run
+    from tandem.server import BindError, DrainingServer, bind, run, timed_http_protocol
     from worker.app import InsecureConfig
 
     settings = worker_settings(args)
+    try:
+        sock = bind(settings.host, settings.port)
+    except BindError as e:
+        print(f"tandem {settings.role}: {e}", file=sys.stderr)
+        return 2
     try:
         if settings.role == "prefill":
             import prefill_worker
@@ -114,10 +121,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     state = app.state.worker
     # After the drain, what is still streaming gets a moment, then is cut (the router resumes it).
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning", timeout_graceful_shutdown=2),
+                                           log_level="warning", timeout_graceful_shutdown=2,
+                                           http=timed_http_protocol(HEADER_TIMEOUT_S)),
                             drain=lambda: state.drain(settings.drain_timeout_s))
     state.request_shutdown = lambda: setattr(server, "should_exit", True)
-    run(server)
+    run(server, [sock])
     # A worker whose engine died exits non-zero, so its supervisor starts a fresh one.
     return state.exit_code or 0
 
@@ -132,16 +140,22 @@ def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
-    from tandem.server import DrainingServer, run
+    from tandem.server import BindError, DrainingServer, bind, run, timed_http_protocol
 
     settings = router_settings(args)
+    try:
+        sock = bind(settings.host, settings.port)
+    except BindError as e:
+        print(f"tandem router: {e}", file=sys.stderr)
+        return 2
     app = create_app(settings)
     # The router's drain is uvicorn's own: stop listening, let in-flight requests finish.
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="warning",
+                                           http=timed_http_protocol(settings.header_timeout_s),
                                            timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
                             drain=app.state.gateway.drain)
-    run(server)
+    run(server, [sock])
     return 0
 
 

@@ -61,11 +61,11 @@ class Cluster:
     specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
     restarts: dict[str, int] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")  # a restart appends
         # The token goes by environment, not argv: argv is readable by every user (ps).
-        env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or ""}
+        env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or "", **(env or {})}
         # Own session: the terminal's Ctrl-C reaches the launcher alone, which forwards it.
         proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env,
@@ -107,7 +107,14 @@ class Cluster:
         if not self.internal_token:
             self.internal_token = secrets.token_urlsafe(32)
         self.port = self.port or _free_port()
-        self.namespace = self.namespace or f"local-{self.port}"
+        if _port_open("127.0.0.1", self.port):
+            # Another router (another cluster) answers there: its readiness would pass for ours.
+            raise SystemExit(f"[tandem] port {self.port} is in use; stop what listens there or "
+                             "choose another --port")
+        # Two clusters on one Redis never share a namespace by default (the same port on two
+        # hosts, or one after another): the port says whose it is, the suffix keeps them apart.
+        self.namespace = self.namespace or f"local-{self.port}-{secrets.token_hex(3)}"
+        self.nonce = secrets.token_hex(8)
         redis_url = self._redis()
         if redis_url:
             _say(f"Redis namespace {self.namespace!r}")
@@ -139,13 +146,14 @@ class Cluster:
         else:
             for entry in static:
                 router += ["--worker", entry]
-        self._spawn("router", router)
+        self._spawn("router", router, {"TANDEM_ROUTER_INSTANCE_NONCE": self.nonce})
         url = f"http://127.0.0.1:{port}"
-        self._wait(f"{url}/ready", "router", 60)
+        self._wait(f"{url}/ready", "router", 60, nonce=self.nonce)
         _say(f"router ready at {url}/v1 (logs in {self.log_dir}/)")
         return url
 
-    def _wait(self, url: str, name: str, timeout: float) -> None:
+    def _wait(self, url: str, name: str, timeout: float, nonce: str | None = None) -> None:
+        """Until `url` answers 200 (with `nonce`: and says it is the process started here)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for pname, proc in self.procs:
@@ -154,7 +162,8 @@ class Cluster:
                     raise RuntimeError(f"{pname} exited with {proc.returncode}:\n{log}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and (nonce is None
+                                            or r.headers.get("X-Tandem-Instance") == nonce):
                         return
             except OSError:
                 pass

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import uvicorn
@@ -58,13 +59,36 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(server: DrainingServer) -> None:
+class BindError(OSError):
+    """The service's address cannot be bound (in use, or not an address of this host)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts (Redis, background loops, the
+    engine): a service that cannot bind says so and exits non-zero at once. uvicorn binds after
+    the app's startup, and a router whose bind failed there never exited."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise BindError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(server: DrainingServer, sockets: list[socket.socket] | None = None) -> None:
     """Serve until stopped. A signal that arrives before uvicorn takes the signals over (while
     the app is imported and built) ends the process at once, with status 0; from then on each
     goes to `DrainingServer.handle_exit`, and after the server stops they are ignored."""
     for sig in SIGNALS:
         signal.signal(sig, lambda *_: os._exit(0) if not server.started else None)
-    server.run()
+    server.run(sockets)
 
 
 def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
@@ -86,3 +110,48 @@ def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
             os._exit(0)
 
     return preexec
+
+
+def timed_http_protocol(header_timeout_s: float):
+    """uvicorn's httptools protocol with a deadline on each request's headers: a connection
+    that has not sent a complete request head within `header_timeout_s` of opening (or of its
+    previous response, on keep-alive) is closed. uvicorn has none (slowloris: partial headers
+    held a connection forever); the body's own deadline is router/front.py's."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class TimedHttpToolsProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                log.info("closed a connection that sent no complete request head in %.0f s",
+                         header_timeout_s)
+                self.transport.close()
+
+    return TimedHttpToolsProtocol

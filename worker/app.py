@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.auth import require_internal_token
+from common.auth import bearer_matches, require_internal_token
 from common.body_limit import BodyLimit
 from kv_transfer.metadata_api import metadata_router
 from worker.errors import install_error_handlers
@@ -70,8 +70,13 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
         ok = state.ready and state.engine is not None and state.engine.alive
+        token = settings.internal_token
+        if token and not bearer_matches(request.headers.get("authorization"), token):
+            # A stranger learns ready or not; the model, its digest, hash seed and tokenizer
+            # path are for holders of the internal token (routers).
+            return JSONResponse({"ready": ok}, 200 if ok else 503)
         body = {"ready": ok, "role": settings.role, "worker_id": settings.resolved_worker_id,
                 "redis": state.publisher.connected if state.publisher else None,
                 "draining": state.draining}

@@ -6,6 +6,7 @@ killed by SIGKILL leaves no process and no Redis key behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,7 +110,6 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_path):
     port = free_port()
-    ns = f"local-{port}"
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_folder), "--port", str(port),
            "--redis-url", REDIS_URL, "--cache-dir", str(tmp_path), "--threads", "1",
            "--num-blocks", "256", "--drain-timeout-s", "5"]
@@ -120,7 +120,9 @@ def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_p
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until(lambda: up.poll() is None and _ready(url), 120, "tandem up ready")
-        assert f"namespace '{ns}'" in (tmp_path / "up.log").read_text()
+        # The default namespace names the port, and a suffix keeps two clusters apart.
+        ns = re.search(r"namespace '([^']+)'", (tmp_path / "up.log").read_text()).group(1)
+        assert re.fullmatch(rf"local-{port}-[0-9a-f]{{6}}", ns), ns
         assert _keys(ns)
         results: list[str] = []
         streams = [threading.Thread(target=_stream, args=(url, i, results)) for i in range(2)]

@@ -30,7 +30,7 @@ def fleet(tiny_folder, smollm2_folder, tmp_path_factory):
             started.append(Worker(role, str(smollm2_folder), cache_dir=workdir, namespace=ns,
                                   block_size=16, num_blocks=128, extra=["--threads", "1"]))
             started.append(Worker(role, str(tiny_folder), cache_dir=workdir, namespace=ns))
-        router = Router(None, ns, cache_dir=workdir)
+        router = Router(None, ns, cache_dir=workdir, extra=["--expose-worker-ids"])
         started.append(router)
         router.wait_workers(4, timeout=60, models=2)
         workers = {w.worker_id: w for w in started if isinstance(w, Worker)}

@@ -1,0 +1,190 @@
+"""A victim's latency while hostile clients attack the cluster (issue 28).
+
+    .venv/bin/python bench/attack.py [--requests 40] [--out bench/results/attack.json]
+
+One real cluster (tiny-random: a prefill worker, a decode worker, a router, Redis) serves a
+victim that sends `--requests` completions back to back (8 tokens each), first idle, then while
+each attack runs (at most 50 connections; each attack alone):
+  grammar_bombs  8 clients loop `((a{1000}){1000})`-style constraints with n=8 (refused: 400)
+  n_orphans      8 clients loop n=8 requests whose last choice is invalid (seed overflow) and
+                 1,500 tokens each (refused before any choice starts)
+  slow_readers   8 clients open n=8 streams with top_logprobs 20 and never read (cut after the
+                 stream write deadline, reconnecting)
+  slowloris      40 connections send headers a byte a second (closed at the header deadline,
+                 reconnecting)
+JSON: victim p50/p99 (ms) and statuses per phase, the ratio against idle, and what the attackers
+got back. Not a test: figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.tiny import build_tiny_random  # noqa: E402
+from tandem.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
+
+MODEL = "tiny-random"
+BOMBS = [{"guided_regex": "((a{1000}){1000})"}, {"guided_regex": "(a{10000}){10000}"},
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+             "type": "string", "pattern": "^((a{100}){100}){100}$"}}}},
+         {"guided_grammar": "start: /((ab){1000}){1000}/"}]
+
+
+def victim(url: str, n: int) -> tuple[list[float], dict[int, int]]:
+    ms, statuses = [], {}
+    with httpx.Client(timeout=120) as c:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = c.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": f"victim {i}",
+                                                     "max_tokens": 8, "temperature": 0})
+            ms.append((time.perf_counter() - t0) * 1000)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+    return ms, statuses
+
+
+def summary(ms: list[float]) -> dict:
+    q = statistics.quantiles(ms, n=100, method="inclusive")
+    return {"p50_ms": round(q[49], 1), "p99_ms": round(q[98], 1), "max_ms": round(max(ms), 1)}
+
+
+def grammar_bombs(url: str, stop: threading.Event, got: list, i: int) -> None:
+    with httpx.Client(timeout=120) as c:
+        while not stop.is_set():
+            got.append(c.post(f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": "x", "max_tokens": 16, "n": 8,
+                **BOMBS[(i + len(got)) % len(BOMBS)]}).status_code)
+
+
+def n_orphans(url: str, stop: threading.Event, got: list, i: int) -> None:
+    with httpx.Client(timeout=120) as c:
+        while not stop.is_set():
+            got.append(c.post(f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": "x", "max_tokens": 1500, "n": 8, "ignore_eos": True,
+                "seed": 2**63 - 7}).status_code)
+
+
+def slow_reader(url: str, stop: threading.Event, got: list, i: int) -> None:
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True,
+                       "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": f"hi {i}"}]}).encode()
+    while not stop.is_set():
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(1.0)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            s.recv(256)
+            t0 = time.monotonic()
+            while not stop.is_set():  # read nothing more; see when the router cuts us
+                time.sleep(0.5)
+                if _closed(s):
+                    got.append(round(time.monotonic() - t0, 1))
+                    break
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+
+def slowloris(url: str, stop: threading.Event, got: list, i: int) -> None:
+    port = int(url.rsplit(":", 1)[1])
+    while not stop.is_set():
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                t0 = time.monotonic()
+                while not stop.is_set():
+                    s.sendall(b"X")  # a byte a second, never a complete head
+                    time.sleep(1.0)
+                    if _closed(s):
+                        got.append(round(time.monotonic() - t0, 1))
+                        break
+        except OSError:
+            pass
+
+
+def _closed(s: socket.socket) -> bool:
+    try:
+        s.setblocking(False)
+        try:
+            return s.recv(1 << 16, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+    except OSError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
+ATTACKS = {"grammar_bombs": (grammar_bombs, 8), "n_orphans": (n_orphans, 8),
+           "slow_readers": (slow_reader, 8), "slowloris": (slowloris, 40)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=40, help="victim requests per phase")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attack.json"))
+    args = ap.parse_args()
+    work = Path(args.out).parent
+    work.mkdir(parents=True, exist_ok=True)
+    folder = build_tiny_random(work / "models" / MODEL)
+    ns = f"attack-{uuid.uuid4().hex[:6]}"
+    procs: list = []
+    try:
+        procs.append(Worker("prefill", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
+        procs.append(Worker("decode", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
+        router = Router(folder, ns, cache_dir=work, extra=[
+            "--stream-write-timeout-s", "5", "--header-timeout-s", "5"])
+        procs.append(router)
+        router.wait_workers(2)
+        victim(router.url, 5)  # warm up
+        ms, statuses = victim(router.url, args.requests)
+        result = {"victim_requests": args.requests, "idle": {**summary(ms), "statuses": statuses}}
+        print("idle", result["idle"], flush=True)
+        for name, (attack, clients) in ATTACKS.items():
+            stop, got = threading.Event(), []
+            threads = [threading.Thread(target=attack, args=(router.url, stop, got, i))
+                       for i in range(clients)]
+            for t in threads:
+                t.start()
+            time.sleep(2.0)  # the attack is under way
+            ms, statuses = victim(router.url, args.requests)
+            stop.set()
+            for t in threads:
+                t.join()
+            row = {**summary(ms), "statuses": statuses, "attack_connections": clients,
+                   "p50_vs_idle": round(summary(ms)["p50_ms"] / result["idle"]["p50_ms"], 2),
+                   "p99_vs_idle": round(summary(ms)["p99_ms"] / result["idle"]["p99_ms"], 2)}
+            if name in ("grammar_bombs", "n_orphans"):
+                row["attacker_statuses"] = {str(s): got.count(s) for s in sorted(set(got))}
+            else:
+                row["attacker_cut_after_s"] = summary([x * 1000 for x in got]) if len(got) > 1 else got
+            result[name] = row
+            print(name, row, flush=True)
+            time.sleep(3.0)  # what the attack left running drains before the next phase
+    finally:
+        for p in reversed(procs):
+            p.close()
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
