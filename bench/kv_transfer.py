@@ -1,17 +1,22 @@
-"""KV transfer bandwidth between two processes on the SmolLM2 layout (30 layers, 3 KV heads,
-head_dim 64, block_size 16, float16: 368,640 bytes a block).
+"""KV transfer bandwidth between two processes, on CPU or GPU caches, for two layouts:
+`smollm2` (30 layers, 3 KV heads, head_dim 64, block 16, float16: 368,640-byte blocks) and
+`llama3-8b` (32 layers, 8 KV heads, head_dim 128, block 16, bfloat16: 2 MiB blocks).
 
-    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256,4096] [--transports nixl,tcp]
+    .venv/bin/python bench/kv_transfer.py --device cuda --out bench/results/kv_transfer_cuda.json
+    .venv/bin/python bench/kv_transfer.py --device cpu --quick --out /tmp/kv.json   # end to end
 
-For each size it pulls scattered (random) and contiguous block ids through the real
-`KVConnector` (descriptor lists, notifications, leases) and compares with, in the same run, a raw
-single-descriptor NIXL READ of the same number of bytes (no notification: NIXL's best case)
-and a local `tensor.copy_`. The fixed cost per transfer is the intercept of a least-squares fit
-time = fixed + bytes / bandwidth. `--rounds 3` repeats everything three times (fresh processes)
-and reports each round's ratios. Prints JSON and writes bench/results/kv_transfer.json.
+For each layout, transport and size (1/16/256/4096 blocks) it pulls scattered (random) and
+contiguous block ids through the real `KVConnector` (the pull planner, staged exports, leases,
+notifications; the row names the plan and the UCX lane label), and, for NIXL, a raw
+single-descriptor READ and a raw WRITE of the same bytes (no notification: NIXL's best case).
+With `--device cuda` the TCP fallback runs from a CUDA cache and from a CPU cache in the same
+run. No UCX variable needs to be set: the transport decides (kv_transfer/ucx_config.py).
+Everything is bounded: per-pull timeouts, and `--timeout` for the whole run, after which the
+senders are killed and what was measured is still written.
 
-Goals (issue 19): NIXL fixed cost < 0.5 ms; scattered >= 90% of raw at 256 blocks in every
-round; TCP >= 1.5 GB/s at 256+ blocks; 16 scattered blocks within 2x of 16 contiguous on TCP.
+Goals (issue 30), per layout, in `goals`: NIXL scattered 256-block pull >= 500 GB/s and >= 0.5
+of the raw READ, contiguous >= 0.8 of raw, 1-block pull <= 50 us (GPU); TCP from a CUDA cache
+>= 0.9 of TCP from a CPU cache at 256 and 4096 blocks.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,26 +43,38 @@ from kv_transfer.connector import KVConnector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.transport import TransportConfig  # noqa: E402
 
-SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+LAYOUTS = {
+    "smollm2": dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float16"),
+    "llama3-8b": dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+}
 MARK = "@@ "
 
 
-def make_cache(num_blocks: int) -> torch.Tensor:
-    s = SMOLLM2
+def make_cache(layout: str, num_blocks: int, device: str) -> torch.Tensor:
+    s = LAYOUTS[layout]
     shape = (num_blocks, s["num_layers"], 2, s["block_size"], s["num_kv_heads"], s["head_dim"])
-    return torch.ones(shape, dtype=torch.float16)  # touched, so pages are resident
+    return torch.ones(shape, dtype=getattr(torch, s["dtype"]), device=device)  # touched: resident
 
 
-async def sender_main(transport: str, num_blocks: int) -> None:
+def block_bytes(layout: str) -> int:
+    return KVLayout.of_cache(make_cache(layout, 1, "cpu"), layout).bytes_per_block
+
+
+def transport_config(engine_id: str, staging_blocks: int, layout: str) -> TransportConfig:
+    return TransportConfig(engine_id=engine_id, pull_timeout_s=60,
+                           staging_bytes=staging_blocks * block_bytes(layout))
+
+
+async def sender_main(args) -> None:
     import uvicorn
     from fastapi import FastAPI
 
     from kv_transfer.metadata_api import metadata_router
 
-    cache = make_cache(num_blocks)
-    connector = KVConnector(cache, KVLayout.of_cache(cache, "smollm2-135m-instruct"),
-                            TransportConfig(engine_id=f"bench-{transport}-P"), transport,
-                            release=lambda rid: None, watch_interval_s=0.0005,
+    cache = make_cache(args.layout, args.num_blocks, args.device)
+    connector = KVConnector(cache, KVLayout.of_cache(cache, args.layout),
+                            transport_config(f"bench-{args.transports}-P", args.staging_blocks, args.layout),
+                            args.transports, release=lambda rid: None, watch_interval_s=0.0005,
                             idle_interval_s=0.0005)  # raw reads hold no lease but need progress too
     await connector.start()
     app = FastAPI()
@@ -72,215 +91,221 @@ async def sender_main(transport: str, num_blocks: int) -> None:
         if not line.strip():
             break
         cmd = json.loads(line)
-        connector.export(cmd["request_id"], cmd["block_ids"], 60)
-        print(MARK + json.dumps({"ok": True}), flush=True)
+        fields = connector.export(cmd["request_id"], cmd["block_ids"], 60)
+        print(MARK + json.dumps({"staged_at": fields.get("remote_staging_start")}), flush=True)
     server.should_exit = True
     await task
     await connector.close()
 
 
 class Sender:
-    def __init__(self, transport: str, num_blocks: int) -> None:
+    def __init__(self, transport: str, layout: str, device: str, num_blocks: int, staging_blocks: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", "sender", "--transports", transport,
-             "--num-blocks", str(num_blocks)],
+            [sys.executable, __file__, "--role", "sender", "--transports", transport, "--layout", layout,
+             "--device", device, "--num-blocks", str(num_blocks), "--staging-blocks", str(staging_blocks)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self.info = self._read()
 
     def _read(self) -> dict:
-        for line in self.proc.stdout:
+        for line in self.proc.stdout:  # EOF (the sender died) ends the loop
             if line.startswith(MARK):
                 return json.loads(line[len(MARK):])
         raise RuntimeError("sender exited")
 
-    def export(self, request_id: str, block_ids: list[int]) -> None:
+    def export(self, request_id: str, block_ids: list[int]) -> int | None:
         self.proc.stdin.write(json.dumps({"request_id": request_id, "block_ids": block_ids}) + "\n")
         self.proc.stdin.flush()
-        self._read()
+        return self._read()["staged_at"]
 
     def close(self) -> None:
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-        self.proc.wait(30)
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
 
 
-def fit_fixed_cost(points: list[tuple[int, float]]) -> dict:
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([p[1] for p in points])
-    slope, intercept = np.polyfit(x, y, 1)
-    return {"fixed_cost_s": float(intercept), "bandwidth_GBps": float(1 / slope / 1e9)}
+def raw_nixl(connector: KVConnector, peer, nbytes: int, op: str) -> float:
+    """One descriptor covering `nbytes` of both regions, READ or WRITE: NIXL's best case."""
+    t = connector.transport
+    agent, name = t._agent, t._peer(peer).agent_name
+    mem = "VRAM" if t.kv_cache.is_cuda else "DRAM"
+    dev = (t.kv_cache.device.index or 0) if t.kv_cache.is_cuda else 0
+    remote = np.array([[int(peer.params["base_address"]), nbytes, int(peer.params["device_id"])]], dtype=np.uint64)
+    local = np.array([[t.kv_cache.data_ptr(), nbytes, dev]], dtype=np.uint64)
+    start = time.perf_counter()
+    handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name, b"")
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + 60
+    while state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"raw {op} ended in state {state}")
+    return time.perf_counter() - start
 
 
-async def raw_nixl(connector: KVConnector, peer, nbytes: int, repeats: int) -> float:
-    """One descriptor covering `nbytes` of the peer's region: NIXL's best case."""
-    agent = connector.transport._agent
-    name = connector.transport._agent_for(peer)
-    src = np.array([[int(peer.params["base_address"]), nbytes, 0]], dtype=np.uint64)
-    dst = np.array([[connector.transport.kv_cache.data_ptr(), nbytes, 0]], dtype=np.uint64)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dst, "DRAM"),
-                                       agent.get_xfer_descs(src, "DRAM"), name, b"")
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        assert state == "DONE"
-        agent.release_xfer_handle(handle)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def repeats_for(n: int, transport: str, quick: bool) -> int:
+    if quick:
+        return 2
+    if transport == "tcp":
+        return 10 if n <= 16 else (5 if n <= 256 else 2)
+    return 20 if n <= 16 else (9 if n <= 256 else 3)
 
 
-async def bench_transport(transport: str, sizes: list[int], num_blocks: int) -> dict:
-    sender = Sender(transport, num_blocks)
-    cache = make_cache(num_blocks)
-    layout = KVLayout.of_cache(cache, "smollm2-135m-instruct")
-    connector = KVConnector(cache, layout, TransportConfig(engine_id=f"bench-{transport}-D",
-                                                           pull_timeout_s=120), transport,
+async def bench_combo(layout: str, transport: str, device: str, sizes: list[int], quick: bool) -> dict:
+    num_blocks = max(sizes) + 64
+    staging = max(sizes) if transport == "nixl" else 0
+    sender = Sender(transport, layout, device, num_blocks, staging)
+    cache = make_cache(layout, num_blocks, device)
+    lay = KVLayout.of_cache(cache, layout)
+    connector = KVConnector(cache, lay, transport_config(f"bench-{transport}-D", staging, layout), transport,
                             release=lambda rid: None)
     await connector.start()
     rng = np.random.default_rng(0)
-    out: dict = {"sizes": {}}
+    out: dict = {"device": device, "transport": transport, "sizes": {}}
     try:
         peer = await connector.peer(f"bench-{transport}-P", sender.info["url"])
         counter = 0
-        points = []
-        raw: dict = {}
         for n in sizes:
-            repeats = 20 if n <= 16 else (9 if n <= 256 else 3)
-            nbytes = n * layout.bytes_per_block
-            times: dict = {"scattered": [], "contiguous": [], "raw": []}
-            descriptors = {}
+            nbytes = n * lay.bytes_per_block
+            times: dict = {"scattered": [], "contiguous": [], "raw_read": [], "raw_write": []}
+            seen: dict = {}
             # Interleaved, so the machine's noise falls on every pattern alike; the first round
             # warms the path up and is dropped.
-            for _ in range(repeats + 1):
+            for _ in range(repeats_for(n, transport, quick) + 1):
                 for pattern in ("scattered", "contiguous"):
-                    ids = (rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered"
-                           else list(range(n)))
+                    ids = (rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else list(range(n)))
+                    local = rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else ids
                     counter += 1
                     rid = f"b{counter}"
-                    sender.export(rid, ids)
-                    stats = await connector.fetch(peer, rid, ids, ids)
+                    staged_at = sender.export(rid, ids)
+                    slots = None if staged_at is None else list(range(staged_at, staged_at + n))
+                    stats = await connector.fetch(peer, rid, ids, local, staged_slots=slots)
                     times[pattern].append(stats.seconds)
-                    descriptors[pattern] = (stats.num_descriptors, stats.transport_label)
+                    seen[pattern] = {"descriptors": stats.num_descriptors, "label": stats.transport_label,
+                                     "plan": stats.extra.get("plan", "direct"), "staged_export": slots is not None}
                 if transport == "nixl":
-                    times["raw"].append(await raw_nixl(connector, peer, nbytes, 1))
-            row = {}
-            for pattern in ("scattered", "contiguous"):
-                t = statistics.median(times[pattern][1:])
-                row[pattern] = {"seconds": t, "GBps": nbytes / t / 1e9,
-                                "descriptors": descriptors[pattern][0], "label": descriptors[pattern][1]}
-            points.append((nbytes, row["scattered"]["seconds"]))
+                    times["raw_read"].append(raw_nixl(connector, peer, nbytes, "READ"))
+                    times["raw_write"].append(raw_nixl(connector, peer, nbytes, "WRITE"))
+            row: dict = {"bytes": nbytes}
+            for kind, series in times.items():
+                if series:
+                    t = statistics.median(series[1:])
+                    row[kind] = {"seconds": t, "GBps": nbytes / t / 1e9, **seen.get(kind, {})}
             if transport == "nixl":
-                t = statistics.median(times["raw"][1:])
-                # Each scattered pull against the raw read right after it: the pair shares the
-                # machine's load of the moment, which the medians of whole series do not.
-                paired = statistics.median(r / s for r, s in zip(times["raw"][1:], times["scattered"][1:],
-                                                                 strict=True))
-                raw[str(n)] = {"seconds": t, "GBps": nbytes / t / 1e9, "scattered_over_raw_paired": paired}
-            row["bytes"] = nbytes
+                for pattern in ("scattered", "contiguous"):
+                    row[pattern]["over_raw_read"] = row[pattern]["GBps"] / row["raw_read"]["GBps"]
             out["sizes"][str(n)] = row
-        out["fit_scattered"] = fit_fixed_cost(points)
         out["label"] = connector.transport.label
-        if transport == "nixl":
-            out["raw_single_buffer"] = raw
     finally:
         await connector.close()
         sender.close()
     return out
 
 
-def bench_local_copy(sizes: list[int], bytes_per_block: int) -> dict:
+def goals(layouts: dict, device: str) -> dict:
     out = {}
-    for n in sizes:
-        nbytes = n * bytes_per_block
-        src = torch.ones(nbytes // 2, dtype=torch.float16)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        times = []
-        for _ in range(10 if n <= 256 else 3):
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-        t = statistics.median(times)
-        out[str(n)] = {"seconds": t, "GBps": nbytes / t / 1e9}
+    for name, combos in layouts.items():
+        nixl = combos.get(f"nixl@{device}", {}).get("sizes", {})
+        if "256" in nixl:
+            r = nixl["256"]
+            out[f"{name}_nixl_scattered_256_GBps"] = {"value": r["scattered"]["GBps"], "goal": ">= 500",
+                                                     "met": r["scattered"]["GBps"] >= 500}
+            for pattern, goal in (("scattered", 0.5), ("contiguous", 0.8)):
+                v = r[pattern]["over_raw_read"]
+                out[f"{name}_nixl_{pattern}_256_over_raw"] = {"value": v, "goal": f">= {goal}", "met": v >= goal}
+        if "1" in nixl:
+            us = nixl["1"]["scattered"]["seconds"] * 1e6
+            out[f"{name}_nixl_one_block_us"] = {"value": us, "goal": "<= 50", "met": us <= 50}
+        gpu, cpu = combos.get("tcp@cuda", {}).get("sizes", {}), combos.get("tcp@cpu", {}).get("sizes", {})
+        for n in ("256", "4096"):
+            if n in gpu and n in cpu:
+                v = gpu[n]["scattered"]["GBps"] / cpu[n]["scattered"]["GBps"]
+                out[f"{name}_tcp_cuda_over_cpu_{n}"] = {"value": v, "goal": ">= 0.9", "met": v >= 0.9}
     return out
 
 
-def ratios(one: dict, sizes: list[int], transports: list[str]) -> dict:
-    out = {}
-    if "nixl" in one:
-        for n in sizes:
-            raw = one["nixl"]["raw_single_buffer"][str(n)]["GBps"]
-            for pattern in ("scattered", "contiguous"):
-                out[f"nixl_{pattern}_over_raw_{n}"] = one["nixl"]["sizes"][str(n)][pattern]["GBps"] / raw
-    for t in transports:
-        for n in sizes:
-            row = one[t]["sizes"][str(n)]
-            out[f"{t}_scattered_over_local_copy_{n}"] = row["scattered"]["GBps"] / one["local_copy"][str(n)]["GBps"]
-            out[f"{t}_scattered_time_over_contiguous_{n}"] = row["scattered"]["seconds"] / row["contiguous"]["seconds"]
-    return out
-
-
-def goals(rounds: list[dict], sizes: list[int], transports: list[str]) -> dict:
-    """Each goal of issue 19 with the worst value over the rounds."""
-    out = {}
-    if "nixl" in transports:
-        # A 1-block pull bounds the fixed cost from above (its 360 KB take ~0.06 ms); the fit's
-        # intercept is reported beside it, but large pulls' noise moves it by tenths of a ms.
-        if 1 in sizes:
-            one = max(r["nixl"]["sizes"]["1"]["scattered"]["seconds"] for r in rounds)
-            out["nixl_one_block_pull_ms"] = {"worst": one * 1e3, "goal": "< 0.5", "met": one < 0.5e-3}
-        fixed = max(r["nixl"]["fit_scattered"]["fixed_cost_s"] for r in rounds)
-        out["nixl_fit_intercept_ms"] = {"worst": fixed * 1e3}
-        if 256 in sizes:
-            low = min(r["nixl"]["raw_single_buffer"]["256"]["scattered_over_raw_paired"] for r in rounds)
-            out["nixl_scattered_over_raw_256_paired"] = {"worst": low, "goal": ">= 0.9", "met": low >= 0.9}
-            low = min(r["ratios"]["nixl_scattered_over_raw_256"] for r in rounds)
-            out["nixl_scattered_over_raw_256_medians"] = {"worst": low}
-    if "tcp" in transports:
-        big = [n for n in sizes if n >= 256]
-        if big:
-            gbps = min(r["tcp"]["sizes"][str(n)]["scattered"]["GBps"] for r in rounds for n in big)
-            out["tcp_GBps_256_plus"] = {"worst": gbps, "goal": ">= 1.5", "met": gbps >= 1.5}
-        if 16 in sizes:
-            worst = max(r["ratios"]["tcp_scattered_time_over_contiguous_16"] for r in rounds)
-            out["tcp_16_scattered_over_contiguous"] = {"worst": worst, "goal": "<= 2", "met": worst <= 2}
-    return out
+def run_combo(name: str, transport: str, device: str, sizes: list[int], quick: bool, timeout: float) -> dict:
+    """One (layout, transport, device) in a fresh receiver process: UCX opens its log once per
+    process (the lane label of a second transport in one process would stay unknown), and a
+    combination that hangs is killed at `timeout` without losing the others."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "combo.json"
+        cmd = [sys.executable, __file__, "--role", "combo", "--layout", name, "--transports", transport,
+               "--device", device, "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        if quick:
+            cmd.append("--quick")
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - started}
+        if proc.returncode != 0 or not out.is_file():
+            return {"error": f"exit status {proc.returncode}", "seconds": time.perf_counter() - started}
+        combo = json.loads(out.read_text())
+        combo["seconds"] = time.perf_counter() - started
+        return combo
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--layouts", default=None, help="default: both on cuda, smollm2 on cpu "
+                    "(4096 Llama blocks are 8 GiB a cache)")
+    ap.add_argument("--layout", default="smollm2", help=argparse.SUPPRESS)  # sender and combo roles
     ap.add_argument("--sizes", default="1,16,256,4096")
     ap.add_argument("--transports", default="nixl,tcp")
-    ap.add_argument("--role", default="bench", choices=["bench", "sender"])
+    ap.add_argument("--tcp-max-bytes", type=int, default=2 << 30, help="TCP sizes above this are skipped")
+    ap.add_argument("--quick", action="store_true", help="sizes 1,16,64 and 2 repeats (CPU check)")
+    ap.add_argument("--timeout", type=float, default=300, help="the whole run, seconds")
+    ap.add_argument("--role", default="bench", choices=["bench", "combo", "sender"])
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--staging-blocks", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_transfer.json"))
     args = ap.parse_args()
     if args.role == "sender":
-        asyncio.run(sender_main(args.transports, args.num_blocks))
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        asyncio.run(sender_main(args))
         return 0
-    sizes = [int(s) for s in args.sizes.split(",")]
-    num_blocks = args.num_blocks or max(sizes) + 64
-    layout_bytes = KVLayout.of_cache(make_cache(1), "m").bytes_per_block
-    result: dict = {"layout": {**SMOLLM2, "dtype": "float16", "bytes_per_block": layout_bytes},
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "rounds": []}
+    if args.role == "combo":
+        sizes = [int(x) for x in args.sizes.split(",")]
+        combo = asyncio.run(bench_combo(args.layout, args.transports, args.device, sizes, args.quick))
+        Path(args.out).write_text(json.dumps(combo))
+        return 0
+    sizes = [1, 16, 64] if args.quick else [int(x) for x in args.sizes.split(",")]
     transports = args.transports.split(",")
-    for _ in range(args.rounds):
-        one: dict = {}
-        for transport in transports:
-            one[transport] = asyncio.run(bench_transport(transport, sizes, num_blocks))
-            print(json.dumps({transport: one[transport]["sizes"]}), file=sys.stderr)
-        one["local_copy"] = bench_local_copy(sizes, layout_bytes)
-        one["ratios"] = ratios(one, sizes, transports)
-        result["rounds"].append(one)
-    result["goals"] = goals(result["rounds"], sizes, transports)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2)
-    Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    combos = [(t, args.device) for t in transports]
+    if args.device == "cuda" and "tcp" in transports:
+        combos.append(("tcp", "cpu"))  # TCP from a CPU cache beside TCP from the CUDA cache
+    result: dict = {"device": args.device, "cpus": os.cpu_count(), "sizes": sizes, "layouts": {},
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    layouts = args.layouts or ("smollm2,llama3-8b" if args.device == "cuda" or args.quick else "smollm2")
+    for name in layouts.split(","):
+        layout_bytes = block_bytes(name)
+        result["layouts"][name] = {"bytes_per_block": layout_bytes, **LAYOUTS[name]}
+        for transport, device in combos:
+            use = sizes if transport == "nixl" else [n for n in sizes if n * layout_bytes <= args.tcp_max_bytes]
+            left = args.timeout - (time.perf_counter() - t0)
+            combo = (run_combo(name, transport, device, use, args.quick, left) if left > 1
+                     else {"error": "no time left"})
+            result["layouts"][name][f"{transport}@{device}"] = combo
+            print(json.dumps({name: {f"{transport}@{device}": combo.get("sizes", combo)}}), file=sys.stderr)
+            result["goals"] = goals(result["layouts"], args.device)
+            result["seconds"] = time.perf_counter() - t0
+            out.write_text(json.dumps(result, indent=2) + "\n")  # what was measured, so far
+    errors = [f"{name} {key}: {c['error']}" for name, combos_ in result["layouts"].items()
+              for key, c in combos_.items() if isinstance(c, dict) and "error" in c]
+    if errors:
+        result["errors"] = errors
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class NixlTransport:
         self._label = "ucx"
         self._ucx_log: ucx_config.UcxLog | None = None
         self._log_dir: str | None = None
+        self._ucx_settings: ucx_config.UcxSettings | None = None
         self.costs = COSTS["cuda" if kv_cache.is_cuda else "cpu"]
         self.staging: StagingPool | None = None
         self._side: SideStream | None = None
@@ -112,6 +113,7 @@ class NixlTransport:
             os.environ, ucx_net_devices(self.config.advertise_host or self.config.listen_host),
             vram=self.kv_cache.is_cuda, proto_log=self.config.ucx_proto_log, log_dir=self._log_dir)
         ucx_config.apply(settings, os.environ)
+        self._ucx_settings = settings
         if settings.log_file:
             self._ucx_log = ucx_config.UcxLog(settings.log_file, "cuda" if self.kv_cache.is_cuda else "host")
         self._agent = make_agent(nixl, self.config.engine_id)  # kv_transfer/nixl_agent.py
@@ -121,7 +123,9 @@ class NixlTransport:
         if self.layout.num_blocks <= MAX_PREPPED_BLOCKS:
             self._local_blocks = self._prep_local(self.kv_cache, self.layout.num_blocks)
         num_slots = min(self.config.staging_bytes // self.layout.bytes_per_block, self.layout.num_blocks)
-        if self.config.staging != "never" and num_slots >= 1 and self._local_blocks is not None:
+        # On CPU caches `auto` never stages (a copy costs what the transfer does): no pool.
+        wanted = self.config.staging == "always" or (self.config.staging == "auto" and self.kv_cache.is_cuda)
+        if wanted and num_slots >= 1 and self._local_blocks is not None:
             self.staging = StagingPool(self.kv_cache, num_slots)
             self._regs.append(self._agent.register_memory(self.staging.buffer))
             self._local_slots = self._prep_local(self.staging.buffer, num_slots)
@@ -150,6 +154,9 @@ class NixlTransport:
                 self._agent.deregister_memory(reg)
             self._regs.clear()
             self._agent = None
+        if self._ucx_settings is not None:
+            ucx_config.restore(self._ucx_settings, os.environ)
+            self._ucx_settings = None
         if self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)  # UCX keeps its open descriptor
             self._log_dir = None
@@ -292,15 +299,17 @@ class NixlTransport:
                 if local_lease is None:  # taken meanwhile
                     plan = plan_pull(remote_block_ids, local_block_ids, self.layout.bytes_per_block,
                                      self.costs, "never")
+            notif = _NOTIF_PREFIX + request_id.encode()
+            # The notification rides on the READ (UCX sends it once the data is here) unless a
+            # scatter follows; then it is sent after.
             handle = self._make_read(known, plan, remote_block_ids, local_block_ids, staged_slots,
-                                     local_lease)
+                                     local_lease, b"" if local_lease is not None else notif)
             await self._run(handle, peer, len(remote_block_ids))
             if local_lease is not None:
                 with self._side:
                     kernels.scatter_blocks(self.kv_cache, local_block_ids, self.staging.view(local_lease))
                 await SideStream.wait(self._side.record())
-            # After the data is here: the sender may free its blocks and slots at once.
-            self._agent.send_notif(known.agent_name, _NOTIF_PREFIX + request_id.encode())
+                self._agent.send_notif(known.agent_name, notif)
         except (TransferError, BlockRangeError, ValueError):
             self.forget_peer(peer.engine_id)
             raise
@@ -326,7 +335,7 @@ class NixlTransport:
         )
 
     def _make_read(self, known: _Peer, plan: PullPlan, remote_block_ids, local_block_ids,
-                   staged_slots, local_lease):
+                   staged_slots, local_lease, notif: bytes):
         """The READ handle of `plan`: indices into prepared lists where there are."""
         n = len(remote_block_ids)
         if known.blocks is None:  # too many blocks to prepare: this pull's own list
@@ -335,7 +344,7 @@ class NixlTransport:
                                          runs, known.params.device_id, self._device_id)
             return self._agent.initialize_xfer(
                 "READ", self._agent.get_xfer_descs(dst, self._mem_type),
-                self._agent.get_xfer_descs(src, known.params.mem_type), known.agent_name, b"")
+                self._agent.get_xfer_descs(src, known.params.mem_type), known.agent_name, notif)
         remote_list, remote_idx = ((known.slots, staged_slots) if plan.reads_staged_source
                                    else (known.blocks, remote_block_ids))
         if local_lease is not None:
@@ -344,7 +353,7 @@ class NixlTransport:
             local_list, local_idx = self._local_blocks, local_block_ids
         return self._agent.make_prepped_xfer(
             "READ", local_list, np.asarray(local_idx, dtype=np.int32),
-            remote_list, np.asarray(remote_idx, dtype=np.int32), b"")
+            remote_list, np.asarray(remote_idx, dtype=np.int32), notif)
 
     async def _run(self, handle, peer: PeerMetadata, num_blocks: int) -> None:
         agent = self._agent

@@ -83,6 +83,15 @@ def apply(settings: UcxSettings, environ: dict[str, str]) -> None:
         log.info("nixl: %s=%s (set by the operator, kept)", key, value)
 
 
+def restore(settings: UcxSettings, environ: dict[str, str]) -> None:
+    """Undo `apply` where nobody changed the values since: UCX has read them, and a process
+    started later (a sender after this transport closed, an engine process) must not inherit
+    a log file in a directory that is gone (UCX exits when it cannot open its log)."""
+    for key, value in settings.env.items():
+        if environ.get(key) == value:
+            del environ[key]
+
+
 def lane_of(text: str, memory: str | None = None) -> str | None:
     """The UCX transport of the last remote-read protocol table in a UCX_PROTO_INFO log
     (e.g. 'cuda_ipc', 'rc_mlx5', 'cma', 'tcp'); tables for reads into `memory` ('host',

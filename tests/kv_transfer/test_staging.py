@@ -115,9 +115,12 @@ def test_ucx_settings_turn_on_cuda_ipc_get_for_vram_unless_the_operator_chose():
     assert kept.log_file is None  # their log without PROTO_INFO: the lane stays unknown
     with_info = ucx_config.decide({**mine, "UCX_PROTO_INFO": "y"}, None, True, None, "/tmp/x")
     assert with_info.log_file == "/l"
-    environ: dict = {}
+    environ: dict = {"OTHER": "1"}
     ucx_config.apply(s, environ)
-    assert environ == s.env
+    assert environ == {"OTHER": "1", **s.env}
+    environ["UCX_NET_DEVICES"] = "eth1"  # changed since: not ours to remove
+    ucx_config.restore(s, environ)
+    assert environ == {"OTHER": "1", "UCX_NET_DEVICES": "eth1"}
 
 
 TABLES = """
