@@ -144,6 +144,17 @@ def gpu_busy(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
             engine.step()
         sync(device)
         wall = time.perf_counter() - t
+    graph_ms = None
+    graphs = engine.runner.graphs
+    if cuda and graphs is not None:  # the model's GPU time alone: the last step's graph, replayed
+        bucket = graphs.bucket_for(batch)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphs.replay(bucket)
+        stop.record()
+        stop.synchronize()
+        graph_ms = round(start.elapsed_time(stop) / 20, 4)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -153,7 +164,7 @@ def gpu_busy(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
         busy_us += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return {"batch": batch, "steps": steps, "step_ms": round(1e3 * wall / steps, 3),
-            "device_events_per_step": round(len(spans) / steps, 1),
+            "device_events_per_step": round(len(spans) / steps, 1), "graph_replay_ms": graph_ms,
             "gpu_busy": round(busy_us / (wall * 1e6), 4) if cuda else None}
 
 

@@ -78,7 +78,8 @@ class DecodeGraphs:
         forward()  # warm-up, eager
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (a worker's KV transfer) do not break it.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             forward()
         if self.pool is None:
             self.pool = graph.pool()
@@ -99,3 +100,8 @@ class DecodeGraphs:
         self.buffers.load(step, bucket)
         self._replay[bucket]()
         return self.hidden[: step.num_decodes]
+
+    def replay(self, bucket: int) -> None:
+        """Replay `bucket`'s graph on the inputs already in the buffers (the last step's: it
+        rewrites the same KV slots with the same values). For timing the graph alone."""
+        self._replay[bucket]()

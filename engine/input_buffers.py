@@ -108,18 +108,20 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     pin = device.type == "cuda"
     for dtype in dict.fromkeys(a.dtype for a in arrays):
         members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
-        total = sum(arrays[i].size for i in members)
-        host = torch.empty(total, dtype=_TORCH[dtype], pin_memory=pin)
+        # Each array starts 16-byte aligned, as Triton specialises kernels on pointer alignment
+        # (an unaligned table would compile a second variant of a kernel mid-run).
+        step = 16 // dtype.itemsize
+        offsets, total = [], 0
+        for i in members:
+            offsets.append(total)
+            total += -(-arrays[i].size // step) * step
+        host = torch.empty(max(total, 1), dtype=_TORCH[dtype], pin_memory=pin)
         flat = host.numpy()
-        offset = 0
-        for i in members:
+        for i, offset in zip(members, offsets, strict=True):
             flat[offset : offset + arrays[i].size] = arrays[i].reshape(-1)
-            offset += arrays[i].size
         dev = host.to(device, non_blocking=True) if pin else host
-        offset = 0
-        for i in members:
+        for i, offset in zip(members, offsets, strict=True):
             out[i] = dev[offset : offset + arrays[i].size].view(arrays[i].shape)
-            offset += arrays[i].size
     return out  # type: ignore[return-value]
 
 

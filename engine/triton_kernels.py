@@ -23,9 +23,11 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Tokens per inner iteration of stage 1 (several 16-token blocks: bigger loads in flight).
-DEFAULT_BLOCK_N = 64
 MAX_SPLITS = 16
+# Stage 1 reads K and V tiles of BLOCK_N tokens x head_dim; 4096 elements a tile with 8 warps
+# kept sm_90 builds at 128 registers and no spills (cuobjdump of AOT builds: head_dim 128 with
+# 64-token tiles and 4 warps spilled 168 bytes).
+_TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -199,7 +201,7 @@ def decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,  # tokens per stage-1 tile (default: 4096 elements' worth)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new query token per sequence over its whole paged context (the context
     includes the token itself: store its KV first)."""
@@ -211,6 +213,8 @@ def decode_attention(
                          f"of dim {kv_layer.shape[4]}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens must be int32")
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
+    block_n = block_n or max(16, min(64, _TILE_ELEMENTS // block_d))
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError("block_n must be a power of two >= 16")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -219,7 +223,6 @@ def decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
     mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                         device=q.device)
     mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -232,7 +235,7 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE_SIZE=kv_layer.shape[2], DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=8 if block_n * block_d >= _TILE_ELEMENTS else 4, num_stages=1,
     )
     _decode_stage2[(num_seqs, num_heads)](
         mid_o, mid_lse, out, num_splits, out.stride(0), out.stride(1),
