@@ -4,8 +4,10 @@
 [8-byte xxh3_64 LE][bytes].
 
 On a CPU cache the payload is the blocks themselves, sent from and received into the caches
-without staging (kv_transfer/payload.py). With `fp8` it is the e4m3 bytes of the staged blocks
-then their float32 scales (one per (block, layer, K/V) run), from `kernels.fp8_pack`.
+without staging (kv_transfer/payload.py). From a GPU cache, or with `fp8` (per block: its e4m3
+bytes then its float32 scales, one per layer and K/V, from `kernels.fp8_pack`), the blocks go
+through two host buffers, pinned on a GPU, the device copies overlapping the socket
+(kv_transfer/tcp_pipeline.py); a staged sender sends one checksummed chunk per unit.
 
 Unlike one-sided NIXL reads the sender sees each request, so it checks the token and that the
 asked-for blocks are the ones leased to that request id.
@@ -18,18 +20,18 @@ import logging
 import socket
 import time
 
-import numpy as np
 import torch
 import xxhash
 from pydantic import ValidationError
 
 from common.auth import secrets_equal
 from common.background import BackgroundErrors
-from kv_transfer import kernels
 from kv_transfer import tcp_wire as wire
 from kv_transfer.layout import KVLayout
 from kv_transfer.payload import Regions, block_views
+from kv_transfer.side_stream import SideStream
 from kv_transfer.socket_stream import SocketStream
+from kv_transfer.tcp_pipeline import HostBuffers, RecvUnits, SendUnits
 from kv_transfer.transport import (
     PeerMetadata,
     PullStats,
@@ -54,6 +56,8 @@ class TcpTransport:
         self._check = None
         self._handlers: set[asyncio.Task] = set()
         self.errors = BackgroundErrors()  # the connector hands its own in (one registry)
+        self._buffers = HostBuffers(kv_cache.device)  # pinned on a GPU, reused across pulls
+        self._side = SideStream(kv_cache.device)
 
     @property
     def label(self) -> str:
@@ -135,28 +139,21 @@ class TcpTransport:
                 await wire.write_header(writer, {"ok": False, "error": error})
                 return
             block_ids = req.block_ids
-            if req.fp8 or self.kv_cache.is_cuda:
-                staging = kernels.gather_blocks(self.kv_cache, block_ids)  # [n, L, 2, BS, H, D]
-                if req.fp8:
-                    q, scales = kernels.fp8_pack(staging)  # q: uint8 like staging; scales [n, L, 2]
-                    payload = np.concatenate([q.reshape(-1).cpu().numpy(),
-                                              scales.reshape(-1).cpu().numpy().view(np.uint8)])
-                else:
-                    payload = staging.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
-                regions = Regions([memoryview(payload)])
+            if self._staged(req.fp8):
+                await self._send_staged(conn, block_ids, req.fp8)
             else:  # straight from the cache's own blocks
                 regions = Regions(block_views(self.kv_cache, block_ids))
-            chunk = self.config.chunk_bytes
-            total = regions.num_bytes
-            await wire.write_header(writer, {"ok": True, "num_bytes": total, "chunk_bytes": chunk})
-            for start in range(0, total, chunk):
-                pieces = regions.pieces(start, min(start + chunk, total))
-                digest = xxhash.xxh3_64()
-                for piece in pieces:
-                    digest.update(piece)
-                writer.write(wire.CHECKSUM.pack(digest.intdigest()))
-                for piece in pieces:
-                    await conn.send(piece)
+                chunk = self.config.chunk_bytes
+                total = regions.num_bytes
+                await wire.write_header(writer, {"ok": True, "num_bytes": total, "chunk_bytes": chunk})
+                for start in range(0, total, chunk):
+                    pieces = regions.pieces(start, min(start + chunk, total))
+                    digest = xxhash.xxh3_64()
+                    for piece in pieces:
+                        digest.update(piece)
+                    writer.write(wire.CHECKSUM.pack(digest.intdigest()))
+                    for piece in pieces:
+                        await conn.send(piece)
             done = await wire.read_header(reader, wire.DoneHeader)
             if done.request_id == req.request_id:
                 self._done.append(req.request_id)
@@ -166,6 +163,23 @@ class TcpTransport:
             self.errors.record("tcp_transport_server", e)
         finally:
             conn.close()
+
+    def _staged(self, fp8: bool) -> bool:
+        """Through host buffers (kv_transfer/tcp_pipeline.py): a GPU cache, FP8 packing, or
+        staging forced; a CPU cache otherwise sends and receives in place."""
+        return fp8 or self.kv_cache.is_cuda or self.config.staging == "always"
+
+    async def _send_staged(self, conn: SocketStream, block_ids: list[int], fp8: bool) -> None:
+        send = SendUnits(self.kv_cache, block_ids, self.layout, fp8, self.config.chunk_bytes,
+                         self._buffers, self._side)
+        try:
+            total = len(block_ids) * send.rec
+            await wire.write_header(conn, {"ok": True, "num_bytes": total, "chunk_bytes": send.unit_bytes})
+            async for view in send:  # one wire chunk a unit
+                conn.write(wire.CHECKSUM.pack(xxhash.xxh3_64_intdigest(view)))
+                await conn.send(view)
+        finally:
+            send.close()
 
     def _token_ok(self, given: str) -> bool:
         token = self.config.token
@@ -233,6 +247,39 @@ class TcpTransport:
         except (OSError, asyncio.IncompleteReadError) as e:
             raise TransferError(f"tcp pull from {peer.engine_id} failed: {e}") from e
 
+    @staticmethod
+    def _check_size(resp: wire.Accepted, expected: int) -> None:
+        # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped
+        # the read loop and scattered uninitialised staging memory into the cache).
+        if resp.num_bytes != expected:
+            raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
+
+    @staticmethod
+    def _check_digest(digest, want: int, start: int, size: int) -> None:
+        if digest.intdigest() != want:
+            # Written blocks are this request's own; the caller frees them on failure.
+            raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
+
+    async def _recv_staged(self, conn: SocketStream, resp: wire.Accepted, local_block_ids: list[int],
+                           fp8: bool) -> int:
+        recv = RecvUnits(self.kv_cache, local_block_ids, self.layout, fp8, self.config.chunk_bytes,
+                         self._buffers, self._side)
+        try:
+            expected = recv.num_bytes
+            self._check_size(resp, expected)
+            for start in range(0, expected, resp.chunk_bytes):
+                (want,) = wire.CHECKSUM.unpack(await conn.readexactly(wire.CHECKSUM.size))
+                size = min(resp.chunk_bytes, expected - start)
+                digest = xxhash.xxh3_64()
+                async for view in recv.views(start, start + size):
+                    await conn.read_into(view)
+                    digest.update(view)
+                self._check_digest(digest, want, start, size)
+            await recv.finish()
+        finally:
+            recv.close()
+        return expected
+
     async def _pull(self, peer, request_id, remote_block_ids, local_block_ids) -> PullStats:
         t0 = time.perf_counter()
         reader = writer = conn = await SocketStream.connect(*self._address(peer))
@@ -245,48 +292,20 @@ class TcpTransport:
             if isinstance(resp, wire.Refused):
                 raise TransferError(f"peer {peer.engine_id} refused the pull: {resp.error}")
             n = len(remote_block_ids)
-            lay = self.layout
-            shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            num_runs = n * lay.num_layers * 2
-            direct = not fp8 and not self.kv_cache.is_cuda
-            if fp8:
-                expected = num_runs * (lay.run_bytes // lay.element_size) + num_runs * 4
-                buf = np.empty(expected, dtype=np.uint8)
-                regions = Regions([memoryview(buf)])
-            elif direct:  # straight into this cache's blocks: they are this request's, unused yet
-                expected = n * lay.bytes_per_block
+            if self._staged(fp8):
+                expected = await self._recv_staged(conn, resp, local_block_ids, fp8)
+            else:  # straight into this cache's blocks: they are this request's, unused yet
+                expected = n * self.layout.bytes_per_block
                 regions = Regions(block_views(self.kv_cache, local_block_ids))
-            else:
-                expected = n * lay.bytes_per_block
-                staging = torch.empty(shape, dtype=self.kv_cache.dtype)
-                buf = staging.view(torch.uint8).reshape(-1).numpy()
-                regions = Regions([memoryview(buf)])
-            # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped
-            # the read loop and scattered uninitialised staging memory into the cache).
-            if resp.num_bytes != expected or regions.num_bytes != expected:
-                raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
-            chunk = resp.chunk_bytes
-            received = 0
-            for start in range(0, expected, chunk):
-                (want,) = wire.CHECKSUM.unpack(await reader.readexactly(wire.CHECKSUM.size))
-                size = min(chunk, expected - start)
-                digest = xxhash.xxh3_64()
-                for piece in regions.pieces(start, start + size):
-                    await conn.read_into(piece)
-                    digest.update(piece)
-                if digest.intdigest() != want:
-                    # Written blocks are this request's own; the caller frees them on failure.
-                    raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
-                received += size
-            if received != expected:
-                raise TransferError(f"received {received} of {expected} bytes")
-            if fp8:
-                num_q = expected - num_runs * 4
-                q = torch.from_numpy(buf[:num_q]).reshape(shape).to(self.kv_cache.device)
-                scales = torch.from_numpy(buf[num_q:].view(np.float32)).reshape(shape[:3])
-                staging = kernels.fp8_unpack(q, scales.to(self.kv_cache.device), self.kv_cache.dtype)
-            if not direct:
-                kernels.scatter_blocks(self.kv_cache, local_block_ids, staging.to(self.kv_cache.device))
+                self._check_size(resp, expected)
+                for start in range(0, expected, resp.chunk_bytes):
+                    (want,) = wire.CHECKSUM.unpack(await reader.readexactly(wire.CHECKSUM.size))
+                    size = min(resp.chunk_bytes, expected - start)
+                    digest = xxhash.xxh3_64()
+                    for piece in regions.pieces(start, start + size):
+                        await conn.read_into(piece)
+                        digest.update(piece)
+                    self._check_digest(digest, want, start, size)
             await wire.write_header(writer, {"op": "done", "request_id": request_id})
         finally:
             conn.close()
