@@ -11,13 +11,19 @@ thread the sender's side costs ~0.6% of a core idle and answers at once.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
+import time
+
+from kv_transfer.transport import TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
 _MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 PROGRESS_WAIT_US = 100_000
+SPIN_S = 0.002  # poll a running transfer back to back this long, then every poll interval
+BURST_S = 0.0002  # the longest one poll holds the event loop
 
 
 def import_nixl():
@@ -53,3 +59,25 @@ def make_agent(nixl, name: str):
         return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     finally:
         bind.nixlAgentConfig = base
+
+
+async def wait_xfer(agent, handle, timeout_s: float, poll_interval_s: float, what: str) -> None:
+    """Post `handle` and return once it is DONE; TransferTimeout / TransferError otherwise."""
+    state = agent.transfer(handle)
+    now = time.monotonic()
+    spin_until, deadline = now + SPIN_S, now + timeout_s
+    # Back to back first: a 1-block READ on cuda_ipc is done in tens of microseconds.
+    while state == "PROC" and time.monotonic() < spin_until:
+        state = agent.check_xfer_state(handle)
+    while state == "PROC":
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"{what} timed out after {timeout_s} s")
+        await asyncio.sleep(poll_interval_s)
+        # Each check drives UCX a little (a few descriptors of a scattered read): a burst of
+        # checks per turn of the event loop, not one.
+        burst_until = time.monotonic() + BURST_S
+        state = agent.check_xfer_state(handle)
+        while state == "PROC" and time.monotonic() < burst_until:
+            state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise TransferError(f"{what} failed (state {state})")

@@ -9,73 +9,36 @@ run of blocks (few blocks, CPU caches), or through staging slots (kv_transfer/st
 sender gathers an export into its slots when the lease is granted, the receiver READs one range
 into its own slots and scatters them with the CUDA kernel.
 
-A pull's fixed cost: descriptor lists are prepared once per peer (cache blocks and staging
-slots, one entry per block; a pull names indices and NIXL merges contiguous ones); a peer's
-validated parameters are cached with it; the receiver polls back to back for its first
-`SPIN_S`; the sender's agent answers from its waiting progress thread (nixl_agent.py).
+A pull's fixed cost: prepared descriptor lists and validated parameters per peer
+(nixl_peers.py), back-to-back polling first, a waiting progress thread (nixl_agent.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import binascii
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, ValidationError
 
 from common.background import BackgroundErrors
 from kv_transfer import kernels, ucx_config
 from kv_transfer.descriptors import block_descriptors, coalesce, descriptor_arrays
 from kv_transfer.layout import BlockRangeError, KVLayout
 from kv_transfer.netdev import ucx_net_devices
-from kv_transfer.nixl_agent import import_nixl, make_agent, nixl_available  # noqa: F401 (re-exported)
+from kv_transfer.nixl_agent import import_nixl, make_agent, nixl_available, wait_xfer  # noqa: F401
+from kv_transfer.nixl_peers import MAX_PREPPED_BLOCKS, NixlPeer, NixlPeers
 from kv_transfer.pull_plan import COSTS, PullPlan, plan_pull, stage_at_export
 from kv_transfer.side_stream import SideStream
 from kv_transfer.staging import StagingPool
-from kv_transfer.transport import (
-    PeerMetadata,
-    PullStats,
-    TransferError,
-    TransferTimeout,
-    TransportConfig,
-)
+from kv_transfer.transport import PeerMetadata, PullStats, TransferError, TransportConfig
 
 log = logging.getLogger(__name__)
 
 _NOTIF_PREFIX = b"tandem:done:"
-SPIN_S = 0.002  # poll a running READ back to back this long, then every poll_interval_s
-BURST_S = 0.0002  # the longest one poll holds the event loop
-MAX_PREPPED_BLOCKS = 1 << 20  # a peer with more blocks is read with per-pull descriptor lists
-
-
-class NixlParams(BaseModel):
-    """A NIXL peer's `params` in its metadata document, validated before any is used."""
-
-    agent_metadata: str = Field(max_length=1 << 20)
-    base_address: int = Field(ge=0, lt=2**64)
-    mem_type: Literal["DRAM", "VRAM"]
-    device_id: int = Field(0, ge=0, le=1024)
-    staging_address: int = Field(0, ge=0, lt=2**64)
-    staging_num_blocks: int = Field(0, ge=0, le=1 << 31)
-
-
-@dataclass
-class _Peer:
-    agent_name: str
-    params: NixlParams
-    blocks: object | None = None  # prepared descriptor list of its cache blocks
-    slots: object | None = None  # and of its staging slots
-    label_known: bool = False
 
 
 class NixlTransport:
@@ -87,15 +50,13 @@ class NixlTransport:
         self.config = config
         self._agent = None
         self._regs: list[object] = []
-        self._peers: dict[str, _Peer] = {}  # engine id -> its agent, params, prepared lists
+        self._peers: NixlPeers | None = None  # engine id -> its agent, params, prepared lists
         self._local_blocks = None  # this cache's prepared list, one descriptor per block
         self._local_slots = None  # this staging region's
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
-        self._ucx_log: ucx_config.UcxLog | None = None
-        self._log_dir: str | None = None
-        self._ucx_settings: ucx_config.UcxSettings | None = None
+        self._ucx = ucx_config.UcxEnvironment(os.environ)
         self.costs = COSTS["cuda" if kv_cache.is_cuda else "cpu"]
         self.staging: StagingPool | None = None
         self._side: SideStream | None = None
@@ -107,16 +68,10 @@ class NixlTransport:
         if nixl is None:
             raise TransferError("NIXL is not installed (pip install nixl-cu12)")
         # The process environment is UCX's configuration: decided here, once, before the agent.
-        if self.config.ucx_proto_log is None and "UCX_LOG_FILE" not in os.environ:
-            self._log_dir = tempfile.mkdtemp(prefix="tandem-ucx-")
-        settings = ucx_config.decide(
-            os.environ, ucx_net_devices(self.config.advertise_host or self.config.listen_host),
-            vram=self.kv_cache.is_cuda, proto_log=self.config.ucx_proto_log, log_dir=self._log_dir)
-        ucx_config.apply(settings, os.environ)
-        self._ucx_settings = settings
-        if settings.log_file:
-            self._ucx_log = ucx_config.UcxLog(settings.log_file, "cuda" if self.kv_cache.is_cuda else "host")
+        self._ucx.enter(ucx_net_devices(self.config.advertise_host or self.config.listen_host),
+                        self.kv_cache.is_cuda, self.config.ucx_proto_log)
         self._agent = make_agent(nixl, self.config.engine_id)  # kv_transfer/nixl_agent.py
+        self._peers = NixlPeers(self._agent, self.layout)
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend")
         self._regs.append(self._agent.register_memory(self.kv_cache))
@@ -141,11 +96,7 @@ class NixlTransport:
 
     async def close(self) -> None:
         if self._agent is not None:
-            for engine_id in list(self._peers):
-                try:
-                    self.forget_peer(engine_id)
-                except Exception:  # noqa: BLE001 - peer may be gone already
-                    pass
+            self._peers.clear()
             for prepped in (self._local_blocks, self._local_slots):
                 if prepped is not None:
                     self._agent.release_dlist_handle(prepped)
@@ -154,12 +105,7 @@ class NixlTransport:
                 self._agent.deregister_memory(reg)
             self._regs.clear()
             self._agent = None
-        if self._ucx_settings is not None:
-            ucx_config.restore(self._ucx_settings, os.environ)
-            self._ucx_settings = None
-        if self._log_dir is not None:
-            shutil.rmtree(self._log_dir, ignore_errors=True)  # UCX keeps its open descriptor
-            self._log_dir = None
+        self._ucx.exit()
 
     @property
     def label(self) -> str:
@@ -212,57 +158,17 @@ class NixlTransport:
 
     # ---- receiving side ---------------------------------------------------------------------
 
-    def _peer(self, peer: PeerMetadata) -> _Peer:
-        known = self._peers.get(peer.engine_id)
-        if known is not None:
-            return known
-        try:
-            params = NixlParams.model_validate(peer.params)
-        except ValidationError as e:
-            raise TransferError(f"invalid NIXL metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
-        try:
-            md = base64.b64decode(params.agent_metadata, validate=True)
-        except binascii.Error as e:
-            raise TransferError(f"invalid NIXL agent metadata from {peer.engine_id}") from e
-        loaded = self._agent.add_remote_agent(md)
-        name = loaded.decode() if isinstance(loaded, bytes) else loaded
-        if name != peer.engine_id:
-            # The agent inside must be the engine the verified handle named.
-            self._agent.remove_remote_agent(name)
-            raise TransferError(f"peer {peer.engine_id} sent the NIXL agent of {name!r}")
-        known = _Peer(name, params)
-        self._peers[peer.engine_id] = known
-        try:
-            if self._local_blocks is not None and peer.layout.num_blocks <= MAX_PREPPED_BLOCKS:
-                known.blocks = self._agent.prep_xfer_dlist(
-                    name, block_descriptors(self.layout, params.base_address, peer.layout.num_blocks,
-                                            params.device_id), params.mem_type)
-                if params.staging_num_blocks and params.staging_address:
-                    known.slots = self._agent.prep_xfer_dlist(
-                        name, block_descriptors(self.layout, params.staging_address,
-                                                params.staging_num_blocks, params.device_id),
-                        params.mem_type)
-        except Exception:
-            self.forget_peer(peer.engine_id)
-            raise
-        return known
+    def _peer(self, peer: PeerMetadata) -> NixlPeer:
+        return self._peers.get(peer, self._local_blocks is not None)
 
     def forget_peer(self, engine_id: str) -> None:
-        known = self._peers.pop(engine_id, None)
-        if self._agent is None or known is None:
-            return
-        for prepped in (known.blocks, known.slots):
-            if prepped is not None:
-                try:
-                    self._agent.release_dlist_handle(prepped)
-                except Exception:  # noqa: BLE001 - the peer may be half gone
-                    pass
-        self._agent.remove_remote_agent(known.agent_name)
+        if self._peers is not None:
+            self._peers.forget(engine_id)
 
     def plan(self, peer: PeerMetadata, remote_block_ids: list[int], local_block_ids: list[int],
              staged_slots: list[int] | None) -> PullPlan:
         """How this pull will go (kv_transfer/pull_plan.py), given what both sides have."""
-        known = self._peers.get(peer.engine_id)
+        known = self._peers.known(peer.engine_id)
         prepped = known is not None and known.blocks is not None
         slots = staged_slots if prepped and known.slots is not None else None
         free = (self.staging is not None and self._local_slots is not None and prepped
@@ -270,21 +176,8 @@ class NixlTransport:
         return plan_pull(remote_block_ids, local_block_ids, self.layout.bytes_per_block, self.costs,
                          self.config.staging, slots, free)
 
-    def _check_slots(self, known: _Peer, staged_slots: list[int], n: int) -> None:
-        limit = known.params.staging_num_blocks
-        if len(staged_slots) != n:
-            raise ValueError("staged slots and remote blocks differ in length")
-        if staged_slots and (min(staged_slots) < 0 or max(staged_slots) >= limit):
-            raise BlockRangeError(f"staged slots out of the peer's range [0, {limit})")
-
-    async def pull(
-        self,
-        peer: PeerMetadata,
-        request_id: str,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        staged_slots: list[int] | None = None,
-    ) -> PullStats:
+    async def pull(self, peer: PeerMetadata, request_id: str, remote_block_ids: list[int],
+                   local_block_ids: list[int], staged_slots: list[int] | None = None) -> PullStats:
         assert self._agent is not None, "start() first"
         t0 = time.perf_counter()
         handle = None
@@ -292,7 +185,7 @@ class NixlTransport:
         try:
             known = self._peer(peer)
             if staged_slots is not None:
-                self._check_slots(known, staged_slots, len(remote_block_ids))
+                known.check_slots(staged_slots, len(remote_block_ids))
             plan = self.plan(peer, remote_block_ids, local_block_ids, staged_slots)
             if plan.stages_locally:
                 local_lease = self.staging.lease(f"pull:{next(self._pull_ids)}", len(remote_block_ids))
@@ -304,7 +197,8 @@ class NixlTransport:
             # scatter follows; then it is sent after.
             handle = self._make_read(known, plan, remote_block_ids, local_block_ids, staged_slots,
                                      local_lease, b"" if local_lease is not None else notif)
-            await self._run(handle, peer, len(remote_block_ids))
+            await wait_xfer(self._agent, handle, self.config.pull_timeout_s, self.config.poll_interval_s,
+                            f"NIXL read of {len(remote_block_ids)} blocks from {peer.engine_id}")
             if local_lease is not None:
                 with self._side:
                     kernels.scatter_blocks(self.kv_cache, local_block_ids, self.staging.view(local_lease))
@@ -334,7 +228,7 @@ class NixlTransport:
             extra={"plan": plan.kind},
         )
 
-    def _make_read(self, known: _Peer, plan: PullPlan, remote_block_ids, local_block_ids,
+    def _make_read(self, known: NixlPeer, plan: PullPlan, remote_block_ids, local_block_ids,
                    staged_slots, local_lease, notif: bytes):
         """The READ handle of `plan`: indices into prepared lists where there are."""
         n = len(remote_block_ids)
@@ -355,29 +249,6 @@ class NixlTransport:
             "READ", local_list, np.asarray(local_idx, dtype=np.int32),
             remote_list, np.asarray(remote_idx, dtype=np.int32), notif)
 
-    async def _run(self, handle, peer: PeerMetadata, num_blocks: int) -> None:
-        agent = self._agent
-        state = agent.transfer(handle)
-        now = time.monotonic()
-        spin_until, deadline = now + SPIN_S, now + self.config.pull_timeout_s
-        # Back to back first: a 1-block READ on cuda_ipc is done in tens of microseconds.
-        while state == "PROC" and time.monotonic() < spin_until:
-            state = agent.check_xfer_state(handle)
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"NIXL read of {num_blocks} blocks from {peer.engine_id} "
-                    f"timed out after {self.config.pull_timeout_s} s")
-            await asyncio.sleep(self.config.poll_interval_s)
-            # Each check drives UCX a little (a few descriptors of a scattered read): a burst
-            # of checks per turn of the event loop, not one.
-            burst_until = time.monotonic() + BURST_S
-            state = agent.check_xfer_state(handle)
-            while state == "PROC" and time.monotonic() < burst_until:
-                state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise TransferError(f"NIXL read from {peer.engine_id} failed (state {state})")
-
     async def notify(self, peer: PeerMetadata, request_id: str) -> None:
         """Tell the peer its blocks are no longer needed, without reading any."""
         try:
@@ -391,10 +262,10 @@ class NixlTransport:
 
     def _refresh_label(self, engine_id: str) -> None:
         """The lane UCX chose, read from its log after the first pull from each peer."""
-        known = self._peers.get(engine_id)
-        if self._ucx_log is None or known is None or known.label_known:
+        known = self._peers.known(engine_id)
+        if self._ucx.log is None or known is None or known.label_known:
             return
-        lane = self._ucx_log.refresh()
+        lane = self._ucx.log.refresh()
         if lane:
             known.label_known = True
             if self._label != f"ucx:{lane}":

@@ -247,26 +247,13 @@ class TcpTransport:
         except (OSError, asyncio.IncompleteReadError) as e:
             raise TransferError(f"tcp pull from {peer.engine_id} failed: {e}") from e
 
-    @staticmethod
-    def _check_size(resp: wire.Accepted, expected: int) -> None:
-        # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped
-        # the read loop and scattered uninitialised staging memory into the cache).
-        if resp.num_bytes != expected:
-            raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
-
-    @staticmethod
-    def _check_digest(digest, want: int, start: int, size: int) -> None:
-        if digest.intdigest() != want:
-            # Written blocks are this request's own; the caller frees them on failure.
-            raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")
-
     async def _recv_staged(self, conn: SocketStream, resp: wire.Accepted, local_block_ids: list[int],
                            fp8: bool) -> int:
         recv = RecvUnits(self.kv_cache, local_block_ids, self.layout, fp8, self.config.chunk_bytes,
                          self._buffers, self._side)
         try:
             expected = recv.num_bytes
-            self._check_size(resp, expected)
+            wire.check_size(resp, expected)
             for start in range(0, expected, resp.chunk_bytes):
                 (want,) = wire.CHECKSUM.unpack(await conn.readexactly(wire.CHECKSUM.size))
                 size = min(resp.chunk_bytes, expected - start)
@@ -274,7 +261,7 @@ class TcpTransport:
                 async for view in recv.views(start, start + size):
                     await conn.read_into(view)
                     digest.update(view)
-                self._check_digest(digest, want, start, size)
+                wire.check_digest(digest, want, start, size)
             await recv.finish()
         finally:
             recv.close()
@@ -297,7 +284,7 @@ class TcpTransport:
             else:  # straight into this cache's blocks: they are this request's, unused yet
                 expected = n * self.layout.bytes_per_block
                 regions = Regions(block_views(self.kv_cache, local_block_ids))
-                self._check_size(resp, expected)
+                wire.check_size(resp, expected)
                 for start in range(0, expected, resp.chunk_bytes):
                     (want,) = wire.CHECKSUM.unpack(await reader.readexactly(wire.CHECKSUM.size))
                     size = min(resp.chunk_bytes, expected - start)
@@ -305,7 +292,7 @@ class TcpTransport:
                     for piece in regions.pieces(start, start + size):
                         await conn.read_into(piece)
                         digest.update(piece)
-                    self._check_digest(digest, want, start, size)
+                    wire.check_digest(digest, want, start, size)
             await wire.write_header(writer, {"op": "done", "request_id": request_id})
         finally:
             conn.close()

@@ -87,3 +87,17 @@ async def read_header(reader: asyncio.StreamReader, schema):
     except ValidationError as e:
         first = e.errors()[0]
         raise TransferError(f"invalid header: {'.'.join(map(str, first['loc']))}: {first['msg']}") from e
+
+
+def check_size(resp: Accepted, expected: int) -> None:
+    # Only exactly the bytes asked for, in bounded chunks (a chunk size of -1 once skipped the
+    # read loop and scattered uninitialised staging memory into the cache).
+    if resp.num_bytes != expected:
+        raise TransferError(f"peer sent {resp.num_bytes} bytes, expected {expected}")
+
+
+def check_digest(digest, want: int, start: int, size: int) -> None:
+    """A chunk's xxh3_64 against the one sent before it (written blocks are the request's own;
+    the caller frees them on failure)."""
+    if digest.intdigest() != want:
+        raise TransferError(f"checksum mismatch in bytes {start}..{start + size}")

@@ -22,6 +22,8 @@ import glob
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -144,3 +146,31 @@ class UcxLog:
             self._text = (self._text + text)[-(1 << 20):]  # bounded
             self.lane = lane_of(self._text, self.memory) or self.lane
         return self.lane
+
+
+class UcxEnvironment:
+    """The decided settings, applied to a process environment for one transport's lifetime:
+    `enter` before the agent is made, `exit` when it is gone (restores the environment and
+    removes the private log directory)."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        self.environ = environ
+        self.settings: UcxSettings | None = None
+        self.log: UcxLog | None = None
+        self._log_dir: str | None = None
+
+    def enter(self, net_devices: str | None, vram: bool, proto_log: str | None) -> None:
+        if proto_log is None and "UCX_LOG_FILE" not in self.environ:
+            self._log_dir = tempfile.mkdtemp(prefix="tandem-ucx-")
+        self.settings = decide(self.environ, net_devices, vram, proto_log, self._log_dir)
+        apply(self.settings, self.environ)
+        if self.settings.log_file:
+            self.log = UcxLog(self.settings.log_file, "cuda" if vram else "host")
+
+    def exit(self) -> None:
+        if self.settings is not None:
+            restore(self.settings, self.environ)
+            self.settings = None
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)  # UCX keeps its open descriptor
+            self._log_dir = None
