@@ -137,7 +137,9 @@ class WorkerPublisher:
                     self._resync = True
                 next_beat = 0.0
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                # Never longer than a heartbeat: a worker asleep past its key's TTL when Redis
+                # comes back (after a stall, say) is dropped by every router until it wakes.
+                backoff = min(backoff * 2, 5.0, self.ttl_s / 3)
 
     async def _rewrite(self) -> None:
         with self._lock:

@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -79,34 +81,62 @@ def test_tandem_up_refuses_a_busy_port_and_checks_its_router_is_its_own(tiny_fol
         r.close()
 
 
+def _publisher_failures(log_path) -> int:
+    return log_path.read_text(errors="replace").count("redis_publisher: skipped after")
+
+
 def test_a_redis_stall_longer_than_the_ttl_drops_no_worker(tiny_folder, tmp_path):
-    """Item 9: Redis stopped for longer than the heartbeat TTL dropped the only decode worker
-    for ~0.5 s once it resumed (2 of 180 requests got 503): the router's restart grace did not
-    engage because its own queued sentinel write landed first."""
+    """Item 9: Redis stalled for longer than the heartbeat TTL dropped the only decode worker
+    once it resumed (2 of 180 requests got 503). What a stall leaves behind: the commands both
+    clients queued before their 1 s socket timeouts run when Redis resumes, the router's
+    sentinel write among them (so "Redis lost its data" never fires: the sentinel is there), while
+    the worker, backing off between reconnects (up to 5 s), re-registers only when its sleep
+    ends: its key had expired, the router's first refresh dropped it. The stall here is held
+    until the worker has failed five reconnects (a backoff of 3.2 s then), with requests
+    flowing all the while."""
     server = RedisServer(tmp_path)
     ns = f"stall-{uuid.uuid4().hex[:6]}"
     env = {"TANDEM_TEST_REDIS_URL": server.url}
     d = r = None
+    stop = threading.Event()
+    statuses: list[int] = []
     try:
         d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, namespace=None, ttl=2.0,
                    extra=["--redis-url", server.url, "--namespace", ns])
         r = Router(tiny_folder, ns, cache_dir=tmp_path, redis_url=server.url, env=env)
         r.wait_workers(1)
+        log_path = Path(d.log.name)
+
+        def traffic() -> None:
+            with httpx.Client(base_url=r.url, timeout=30) as c:
+                while not stop.is_set():
+                    statuses.append(c.post("/v1/completions", json={
+                        "model": tiny_folder.name, "prompt": "hi", "max_tokens": 2}).status_code)
+                    time.sleep(0.05)
+
+        flow = threading.Thread(target=traffic)
+        flow.start()
         missing = 0
         for _ in range(2):
+            failures = _publisher_failures(log_path)
             server.proc.send_signal(signal.SIGSTOP)
-            time.sleep(3.5)  # past the 2 s TTL
+            deadline = time.monotonic() + 40
+            while _publisher_failures(log_path) < failures + 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _publisher_failures(log_path) >= failures + 5, "the worker never lost Redis"
             server.proc.send_signal(signal.SIGCONT)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 8
             while time.monotonic() < deadline:
                 if d.worker_id not in r.client.get("/ready").json()["workers"]:
                     missing += 1
                 time.sleep(0.05)
+        stop.set()
+        flow.join()
         assert missing == 0, f"the decode worker was dropped in {missing} polls"
-        resp = r.client.post("/v1/completions", json={"model": tiny_folder.name, "prompt": "hi",
-                                                      "max_tokens": 2})
-        assert resp.status_code == 200, resp.text
+        assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
     finally:
+        stop.set()
+        server.proc.send_signal(signal.SIGCONT)
         for p in (r, d):
             if p is not None:
                 p.close()
