@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "engine", "kv_transfer", "worker", "prefill_worker", "decode_worker",
             "router", "sim", "loadgen", "tandem")
 # Folders of scripts run as `python bench/x.py`: their folder is on sys.path, so a sibling is
-# imported by its bare name (`from clusters import ...` means bench/clusters.py).
+# imported by its bare name (`from clusters import ...` means bench/clusters.py). They put the
+# repository first on sys.path, so a bare name that is one of our packages means the package
+# (`from engine import LLM` in bench/engine_gpu.py is engine/, not bench/engine.py).
 SCRIPT_DIRS = ("bench",)
 
 
@@ -69,11 +71,12 @@ def _imports(path: Path, module: str, runtime_only: bool) -> set[str]:
 
 def _ours(name: str, importer: str, sources: dict[str, Path]) -> str | None:
     """The module of ours that `name` (imported by `importer`) refers to: a module, or a name
-    inside one; a bare name imported by a script means its sibling script. None if not ours."""
+    inside one; a bare name a script imports that is none of our packages means its sibling
+    script. None if not ours."""
     candidates = [name]
     top = importer.split(".")[0]
     if top in SCRIPT_DIRS:
-        candidates.insert(0, f"{top}.{name}")
+        candidates.append(f"{top}.{name}")
     for candidate in candidates:
         while candidate:
             if candidate in sources:
@@ -179,6 +182,9 @@ def test_the_cycle_check_sees_lazy_relative_and_script_imports_but_not_type_chec
         "bench/script_x.py": "from script_y import Z\n",
         "bench/script_y.py": "def g():\n    import script_x\n",
         "bench/alone.py": "import json\nfrom pkg.typed_d import X\n",
+        # A script named like a package: `pkg` in bench/shadow.py is the package, not bench/pkg.py.
+        "bench/pkg.py": "import shadow\n",
+        "bench/shadow.py": "from pkg.typed_d import X\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
