@@ -158,7 +158,8 @@ def _registration_fields() -> set[str]:
     from worker.state import WorkerState
 
     core = SimpleNamespace(num_blocks=8, max_model_len=64, model_digest="0" * 16, folder="/m",
-                           block_size=4, hasher=SimpleNamespace(seed=1),
+                           block_size=4, hasher=SimpleNamespace(seed=1), vocab_size=32,
+                           model_config=SimpleNamespace(vocab_size=32),
                            kv_cache=torch.zeros(8, 2, 2, 4, 1, 8))
     state = SimpleNamespace(core=core, connector=None, started_at=0.0, served_names=["m"],
                             settings=SimpleNamespace(role="decode", url="http://h:1",
@@ -383,3 +384,15 @@ def test_every_metric_a_live_cluster_exports_is_in_the_contract(cluster):
     for proc in (router, *workers):
         names = exported(proc.client)
         assert names and names <= shown, names - shown
+
+
+def test_tandem_field_is_the_codes():
+    import json
+
+    from router.dispatch import Trace
+    from router.openai_format import timing_field
+
+    shown = [_ticked(r[0])[0] for r in _table(CONTRACT, "tandem-field")]
+    assert shown == list(timing_field(Trace("disagg"), 0.0, expose_workers=True))
+    example = json.loads(_after(DOCS / "getting-started.md", "tandem-example"))
+    assert set(example) == set(timing_field(Trace("disagg"), 0.0))
