@@ -19,6 +19,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from common.auth import secrets_equal, sign_json
+from common.bounds import MAX_TOKEN_ID
 from common.model_identity import NAME_PATTERN, is_name
 
 
@@ -96,6 +97,7 @@ class ProbedModel(BaseModel):
     hash_seed: int | None = Field(None, ge=0, lt=1 << 64)
     block_size: int | None = Field(None, ge=1, le=1 << 16)
     max_model_len: int | None = Field(None, ge=1, le=1 << 40)
+    vocab_size: int | None = Field(None, ge=1, le=MAX_TOKEN_ID + 1)  # the model's, not the tokenizer's
 
     @property
     def names(self) -> list[str]:
@@ -129,7 +131,7 @@ class WorkerRegistration(ProbedModel):
         info["load"] = WorkerLoad.model_validate_json(info.get("load") or "{}")
         if "served_model_names" in info:
             info["served_model_names"] = json.loads(info["served_model_names"])
-        for key in ("max_model_len", "block_bytes", "hash_seed", "tokenizer_path"):
+        for key in ("max_model_len", "block_bytes", "hash_seed", "tokenizer_path", "vocab_size"):
             if info.get(key) in ("", "None"):
                 info.pop(key)
         return cls.model_validate(info)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from common.protocol import RequestTiming, SamplingOptions, StreamEvent
+from common.protocol import RequestTiming, SamplingOptions, StreamEvent, TokenLogprob
 from router.backend import Backend, WorkerFailure
 from router.policy import Plan
 from router.worker_info import WorkerInfo
@@ -49,7 +49,9 @@ class Dispatcher:
         self.retry_backoff_s = retry_backoff_s
 
     async def run(self, plan: Plan, request_id: str, prompt: list[int], sampling: SamplingOptions,
-                  trace: Trace) -> AsyncIterator[StreamEvent]:
+                  trace: Trace, vocab_size: int | None = None) -> AsyncIterator[StreamEvent]:
+        """The request's tokens; every worker answer is checked against the model's
+        `vocab_size` (an id at or past it fails that worker: retried or resumed elsewhere)."""
         sent: list[int] = []
         kv_params = None
         decode = plan.decode
@@ -59,7 +61,8 @@ class Dispatcher:
             # decode workers and pile onto the first one.
             decode.inflight += 1
             try:
-                pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace)
+                pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace,
+                                                       vocab_size)
             finally:
                 decode.inflight -= 1
             if pre is not None:
@@ -87,6 +90,7 @@ class Dispatcher:
                 async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
                                                      kv_params)) as events:
                     async for ev in events:
+                        check_vocab(decode, ev.token_ids, ev.logprobs, vocab_size)
                         if trace.first_token_at is None and ev.token_ids:
                             trace.first_token_at = time.perf_counter()
                         room = sampling.max_tokens - len(sent)
@@ -128,7 +132,8 @@ class Dispatcher:
                 if w.role in ("decode", "colocated") and w.worker_id not in tried]
         return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
-    async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace):
+    async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace,
+                                    vocab_size: int | None):
         tried: set[str] = set()
         p = plan.prefill
         for attempt in range(self.max_prefill_retries + 1):
@@ -140,6 +145,9 @@ class Dispatcher:
             p.inflight_tokens += max(uncached, 0)
             try:
                 resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling)
+                check_vocab(p, [] if resp.first_token_id is None else [resp.first_token_id],
+                            [resp.first_token_logprob] if resp.first_token_logprob else None,
+                            vocab_size)
             except WorkerFailure as e:
                 self.directory.record_failure(p)
                 trace.retries += 1
@@ -162,6 +170,21 @@ class Dispatcher:
             self.directory.record_success(p)
             return resp
         return None
+
+def check_vocab(w: WorkerInfo, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                vocab_size: int | None) -> None:
+    """WorkerFailure for a token id at or past the model's vocabulary (sampled or in logprobs):
+    such an answer comes from a broken or lying worker, and relaying it would drop the token
+    from the text silently."""
+    if vocab_size is None:
+        return
+    top = max(token_ids, default=-1)
+    for lp in logprobs or ():
+        top = max(top, lp.token_id, max((t for t, _ in lp.top), default=-1))
+    if top >= vocab_size:
+        raise WorkerFailure(f"{w.worker_id}: token id {top} is outside the model's vocabulary "
+                            f"[0, {vocab_size})")
+
 
 def learn_prefill_rate(w: WorkerInfo, num_computed: int, seconds: float) -> None:
     """EWMA of a worker's prefill tokens/s, from one prefill leg (queueing included: it is what

@@ -276,7 +276,8 @@ class Gateway:
         plan = await self.route(model, prompt)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
-            async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace)) as events:
+            async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace,
+                                                    model.vocab_size)) as events:
                 async for ev in events:
                     if ev.finish_reason == "error":
                         # The grammar engine gave up on the constraint (engine/stop.py): the

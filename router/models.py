@@ -12,6 +12,7 @@ hashes would not be the ones the router computes, and a request sent there would
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
+from common.bounds import MAX_TOKEN_ID
 from common.hashing import BlockHasher
 from common.tokenizer import Tokenizer
 from router.index import MemoryPrefixIndex
@@ -42,6 +44,10 @@ class ServedModel:
     # sent where; per model, so one model's traffic never evicts another's entries.
     memory_index: MemoryPrefixIndex = field(default_factory=MemoryPrefixIndex)
     approx_index: MemoryPrefixIndex = field(default_factory=MemoryPrefixIndex)
+    # The model's vocabulary (config.json's, which may exceed the tokenizer's: tiny-random has
+    # 320 ids for 259 tokens): a worker that answers an id at or past it is failed. None: only
+    # the wire bound (int32) holds.
+    vocab_size: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -72,7 +78,8 @@ class ModelCatalog:
         """Load the `--model`'s tokenizer now, so a missing one fails at startup."""
         if self.only and (self.tokenizer_path or (self.model_dir / self.only).is_dir()):
             path = self.tokenizer_path or self.model_dir / self.only
-            self.models[self.only] = ServedModel(self.only, self._tokenizer(path), tokenizer_source=str(path))
+            self.models[self.only] = ServedModel(self.only, self._tokenizer(path), tokenizer_source=str(path),
+                                                 vocab_size=config_vocab_size(path))
 
     def _tokenizer(self, path: Path) -> Tokenizer:
         tokenizer = Tokenizer(path)
@@ -130,10 +137,12 @@ class ModelCatalog:
     async def _model(self, name: str, identity: Identity, example: WorkerInfo) -> ServedModel | None:
         model = self.models.get(name)
         if model is not None and model.identity == identity:
+            model.vocab_size = model.vocab_size or example.vocab_size
             return model
         pinned = self.only == name and self.tokenizer_path is not None
         if model is not None and (pinned or model.identity is None):
             model.identity, model.hasher = identity, self.hasher(identity)
+            model.vocab_size = example.vocab_size or model.vocab_size
             return model
         if time.monotonic() < self._tokenizer_failures.get(name, 0.0):
             return None
@@ -149,7 +158,8 @@ class ModelCatalog:
             except Exception as e:  # noqa: BLE001 - a bad folder: try the next, then refuse
                 log.warning("model %r: tokenizer at %s failed to load: %s", name, path, e)
                 continue
-            served = ServedModel(name, tokenizer, identity, self.hasher(identity), str(path))
+            served = ServedModel(name, tokenizer, identity, self.hasher(identity), str(path),
+                                 vocab_size=example.vocab_size or config_vocab_size(path))
             log.info("serving model %r (%s, block size %d; tokenizer from %s)", name,
                      identity[0] or "no digest", identity[1], path)
             self.models[name] = served
@@ -169,3 +179,14 @@ class ModelCatalog:
         self._refused_logged.add(key)
         self.refused.labels(reason).inc()
         log.warning("worker %s refused for model %r: %s", w.worker_id, name, why)
+
+
+def config_vocab_size(folder: Path) -> int | None:
+    """The vocabulary size in a model folder's config.json (a multimodal config's text part
+    too), or None where there is none."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text()[:1 << 20])
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and 0 < size <= MAX_TOKEN_ID + 1 else None

@@ -26,6 +26,7 @@ class WorkerInfo:
     block_size: int = 16
     capacity: int = 0
     max_model_len: int | None = None
+    vocab_size: int | None = None  # its model's (config.json), as it reported it
     load: dict = field(default_factory=dict)
     static: bool = False
     backend: str = "tandem"  # router/backends.py

@@ -135,6 +135,7 @@ class WorkerDirectory:
             w.tokenizer_path, w.started_at = reg.tokenizer_path, reg.started_at
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
+            w.vocab_size = reg.vocab_size
             w.load = reg.load.model_dump()
             w.events = reg.events
         if time.monotonic() >= self._grace_until:
@@ -199,6 +200,7 @@ class WorkerDirectory:
         w.digest, w.hash_seed, w.tokenizer_path = reg.model_digest, reg.hash_seed, reg.tokenizer_path
         w.block_size = reg.block_size or w.block_size
         w.max_model_len = reg.max_model_len or w.max_model_len
+        w.vocab_size = reg.vocab_size or w.vocab_size
 
     async def run_probes(self, probe, interval_s: float) -> None:
         while not cancelling():

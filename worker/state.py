@@ -177,7 +177,10 @@ class WorkerState:
         return {"model": self.served_names[0], "served_model_names": self.served_names,
                 "model_digest": core.model_digest, "tokenizer_path": str(core.folder),
                 "block_size": core.block_size, "hash_seed": core.hasher.seed,
-                "max_model_len": core.max_model_len}
+                "max_model_len": core.max_model_len,
+                # The model's own (config.json), which may exceed the tokenizer's: routers
+                # refuse a token id at or past it as a lying worker's.
+                "vocab_size": getattr(core, "vocab_size", None) or core.model_config.vocab_size}
 
     def registration_info(self) -> dict:
         s, core = self.settings, self.core

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -364,6 +365,7 @@ class FakeDecode:
         info = info or {"ready": True, "role": "decode"}
         self.mode = "ok"
         self.hits = 0
+        self.vocab_size = 0  # mode "beyond_vocab" answers this id (the first one past the model's)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -380,6 +382,9 @@ class FakeDecode:
                 rid = body["request_id"]
                 if fake.mode == "huge_ids":
                     events = [{"request_id": rid, "token_ids": [2**40, 5]}]
+                elif fake.mode == "beyond_vocab":  # within int32, past the model's vocabulary
+                    events = [{"request_id": rid, "token_ids": [5, fake.vocab_size]},
+                              {"request_id": rid, "token_ids": [], "finish_reason": "length"}]
                 elif fake.mode == "long_logprobs":
                     events = [{"request_id": rid, "token_ids": [5], "logprobs": [
                         {"token_id": 5, "logprob": -1.0, "top": [[5, -1.0]] * 60_000}]}]
@@ -409,6 +414,7 @@ def with_fake(cluster, tiny_folder, tmp_path_factory):
     """A router (no Redis) over a lying decode worker and the real one, round robin."""
     _, _, d = cluster
     fake = FakeDecode(d.client.get("/ready").json())
+    fake.vocab_size = d.client.get("/ready").json()["vocab_size"]
     r = Router(tiny_folder, None, cache_dir=tmp_path_factory.mktemp("fake"), redis_url=None,
                policy="round_robin", extra=["--worker", f"decode={fake.url}",
                                             "--worker", f"decode={d.url}", "--breaker-failures", "100"])
@@ -426,7 +432,7 @@ def test_a_lying_worker_is_cut_at_max_tokens_or_failed_over(with_fake):
     passed through. Now the router truncates at max_tokens itself, and an answer out of bounds
     is a failed worker: the request resumes on the other."""
     r, fake = with_fake
-    for mode in ("endless", "huge_ids", "long_logprobs"):
+    for mode in ("endless", "huge_ids", "long_logprobs", "beyond_vocab"):
         fake.mode = mode
         hits = fake.hits
         for stream in (False, True):
@@ -448,6 +454,35 @@ def test_a_lying_worker_is_cut_at_max_tokens_or_failed_over(with_fake):
                     assert len(out["choices"][0]["logprobs"]["tokens"]) <= 8
                     assert all(len(t) <= 2 for t in out["choices"][0]["logprobs"]["top_logprobs"])
         assert fake.hits > hits, mode
+    log = Path(r.log.name).read_text()
+    assert "token id 320 is outside the model's vocabulary [0, 320)" in log, log[-2000:]
+
+
+def test_ids_beyond_the_models_vocabulary_fail_the_worker(tiny_folder, tmp_path):
+    """Item 8: an id within int32 but past the model's vocabulary (config.json's 320 for
+    tiny-random, not the tokenizer's 259: ids 259-319 are the model's to sample) was dropped
+    from the text silently and answered 200. Now it fails the worker; with no other decode
+    worker the request is a 503. The router learns the size from the workers' registrations,
+    or (here: the fake reports none) from the model folder it was given."""
+    vocab = json.loads((tiny_folder / "config.json").read_text())["vocab_size"]
+    fake = FakeDecode()
+    fake.mode, fake.vocab_size = "beyond_vocab", vocab
+    r = Router(tiny_folder, None, cache_dir=tmp_path, redis_url=None,
+               extra=["--worker", f"decode={fake.url}", "--breaker-failures", "100"])
+    try:
+        r.wait_workers(1)
+        resp = r.client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 4})
+        assert resp.status_code == 503, resp.text
+        assert fake.hits == 1
+        fake.vocab_size = vocab - 1  # the last id of the vocabulary is the model's to answer
+        resp = r.client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 2
+    finally:
+        r.close()
+        fake.close()
 
 
 def test_strangers_learn_no_addresses_and_no_internals(cluster):
