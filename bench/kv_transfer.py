@@ -147,7 +147,7 @@ def repeats_for(n: int, transport: str, quick: bool) -> int:
 
 async def bench_combo(layout: str, transport: str, device: str, sizes: list[int], quick: bool) -> dict:
     num_blocks = max(sizes) + 64
-    staging = max(sizes) if transport == "nixl" else 0
+    staging = 2 * max(sizes) if transport == "nixl" else 0  # the next export before the last is freed
     sender = Sender(transport, layout, device, num_blocks, staging)
     cache = make_cache(layout, num_blocks, device)
     lay = KVLayout.of_cache(cache, layout)
