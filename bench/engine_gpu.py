@@ -5,11 +5,9 @@ decode (torch profiler: device time of all kernels and copies over wall time), s
 fidelity on the first shape: the logits of 64 decode steps through the Triton kernels (eager and
 graphs) against eager SDPA, teacher-forced on the same tokens, and the first 16 greedy tokens.
 
-Run by bench/engine.py --device cuda; `--device cpu --quick` runs the same code on the tiny
-shape with the Triton kernels interpreted and the graphs' functions called directly.
-One engine per shape serves every mode: "graphs" (decode steps replay CUDA graphs), "eager"
-(the same engine with its graphs set aside: what enforce_eager runs) and "sdpa" (the gather +
-SDPA path of engine/attention.py, eager).
+Run by bench/engine.py --device cuda (`--device cpu --quick`: the tiny shape, Triton interpreted,
+graphs' functions called directly). One engine per shape serves every mode: "graphs", "eager"
+(its graphs set aside: what enforce_eager runs) and "sdpa" (engine/attention.py, eager).
 """
 
 from __future__ import annotations
@@ -238,37 +236,35 @@ def fidelity(llm, prompts: Prompts, sizes: Sizes, graphs) -> dict:
 
 def bench_shape(shape: str, device: str, sizes: Sizes, workdir: Path, with_fidelity: bool,
                 report) -> None:
+    """Every measurement of one shape; one that fails records its error and the rest go on."""
     from engine.shapes import SHAPES
+
+    res: dict = {}
+
+    def measure(name: str, fn, mode: str | None = None) -> None:
+        if mode is not None:
+            set_mode(llm, mode, graphs)
+        t = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one GPU run: keep every other figure
+            res[name] = {"error": repr(e)[:2000]}
+        res[name]["seconds"] = round(time.perf_counter() - t, 1)
+        report(shape, res)
 
     t = time.perf_counter()
     llm = build(shape, device, sizes, workdir)
     graphs = llm.engine.runner.graphs
-    res: dict = {"build_and_capture_s": round(time.perf_counter() - t, 2),
-                 "graph_buckets": graphs.buckets}
+    res |= {"build_and_capture_s": round(time.perf_counter() - t, 2), "graph_buckets": graphs.buckets}
     report(shape, res)
     prompts = Prompts(SHAPES[shape]["vocab_size"])
     for mode in ("graphs", "eager"):
-        set_mode(llm, mode, graphs)
-        t = time.perf_counter()
-        res[mode] = decode_rates(llm, prompts, sizes, device)
-        res[mode]["seconds"] = round(time.perf_counter() - t, 1)
-        report(shape, res)
-    set_mode(llm, "graphs", graphs)
-    res["prefill"] = prefill_rate(llm, prompts, sizes, device)
-    report(shape, res)
+        measure(mode, lambda: decode_rates(llm, prompts, sizes, device), mode)
+    measure("prefill", lambda: prefill_rate(llm, prompts, sizes, device), "graphs")
     for mode in ("graphs", "eager"):
-        set_mode(llm, mode, graphs)
-        res[f"profile_{mode}"] = gpu_busy(llm, prompts, sizes, device)
-        report(shape, res)
+        measure(f"profile_{mode}", lambda: gpu_busy(llm, prompts, sizes, device), mode)
     if with_fidelity:
-        t = time.perf_counter()
-        res["fidelity"] = fidelity(llm, prompts, sizes, graphs)
-        res["fidelity"]["seconds"] = round(time.perf_counter() - t, 1)
-        report(shape, res)
-    del llm, graphs
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        measure("fidelity", lambda: fidelity(llm, prompts, sizes, graphs))
 
 
 def run(shapes: list[str], device: str, quick: bool, out: Path) -> dict:
@@ -280,10 +276,9 @@ def run(shapes: list[str], device: str, quick: bool, out: Path) -> dict:
 
         kernels.fix_interpreter_scalars()
     sizes = QUICK if quick else Sizes()
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else None
     result: dict = {"device": device, "quick": quick, "sizes": asdict(sizes), "shapes": {},
-                    "machine": {"torch": torch.__version__,
-                                "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda")
-                                else None}}
+                    "machine": {"torch": torch.__version__, "gpu": gpu}}
     t0 = time.perf_counter()
 
     def report(shape: str, res: dict) -> None:
@@ -294,5 +289,12 @@ def run(shapes: list[str], device: str, quick: bool, out: Path) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="tandem-engine-bench-") as workdir:
         for i, shape in enumerate(shapes):
-            bench_shape(shape, device, sizes, Path(workdir), with_fidelity=i == 0, report=report)
+            try:
+                bench_shape(shape, device, sizes, Path(workdir), with_fidelity=i == 0,
+                            report=report)
+            except Exception as e:  # noqa: BLE001 - the build failed: report it, try the next
+                report(shape, {**result["shapes"].get(shape, {}), "error": repr(e)[:2000]})
+            gc.collect()  # the shape's engine, graphs and cache go before the next is built
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
     return result
