@@ -136,16 +136,19 @@ class stream:
     count covers the whole stream."""
 
     def __init__(self, http, w: WorkerInfo, path: str, headers: dict, body: dict,
-                 timeout: aiohttp.ClientTimeout) -> None:
+                 timeout: aiohttp.ClientTimeout, read_bufsize: int | None = None) -> None:
         self.http, self.w, self.path, self.headers, self.body = http, w, path, headers, body
         self.timeout = timeout
+        # What aiohttp buffers of the body before it stops reading the socket (twice this):
+        # the backpressure point when the router's consumer (a client) does not read.
+        self.options = {"read_bufsize": read_bufsize} if read_bufsize else {}
         self._cm = None
 
     async def __aenter__(self):
         self.w.inflight += 1
         try:
             self._cm = self.http.post(url(self.w.url, self.path), data=orjson.dumps(self.body),
-                                      headers=self.headers, timeout=self.timeout)
+                                      headers=self.headers, timeout=self.timeout, **self.options)
             r = await self._cm.__aenter__()
             if r.status >= 400:
                 raw = await r.read()

@@ -9,6 +9,12 @@ from collections.abc import AsyncIterator
 from common.protocol import PrefillResponse, StreamEvent
 from router.backend import HTTPBackend, WorkerFailure, get_json, parse, post_json, stream
 
+# A decode stream's read buffer: aiohttp stops reading the worker's socket past twice this,
+# so a client that does not read holds ~128 KiB per choice in the router (with 1 MiB, an
+# unread n=8 request with top_logprobs grew the router by 9 MB), and the worker's writes wait.
+STREAM_READ_BUFSIZE = 64 << 10
+MAX_EVENT_LINE = 2 << 20  # one NDJSON event may be longer than the buffer (read on demand)
+
 
 class TandemBackend(HTTPBackend):
     """Tandem workers' internal API."""
@@ -26,9 +32,10 @@ class TandemBackend(HTTPBackend):
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
             body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
-        async with stream(self.http, w, "/generate", self.headers, body, self.stream_timeout) as r:
+        async with stream(self.http, w, "/generate", self.headers, body, self.stream_timeout,
+                          STREAM_READ_BUFSIZE) as r:
             last = None
-            async for line in r.content:  # NDJSON: one event per line
+            while line := await _next_line(w, r.content):  # NDJSON: one event per line
                 line = line.strip()
                 if not line:
                     continue
@@ -48,3 +55,10 @@ class TandemBackend(HTTPBackend):
         # /ready, not /health: a worker that is up but cannot serve (engine failed, still
         # starting, shutting down) answers 503 there and is taken out of routing at once.
         return await get_json(self.http, w, "/ready", self.headers)
+
+
+async def _next_line(w, content) -> bytes:
+    try:
+        return await content.readline(max_line_length=MAX_EVENT_LINE)
+    except ValueError as e:  # a line past MAX_EVENT_LINE: no honest worker sends one
+        raise WorkerFailure(f"{w.worker_id}: stream event too long ({e})") from e

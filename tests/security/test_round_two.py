@@ -222,6 +222,66 @@ def test_a_streaming_client_that_stops_reading_is_cut_and_frees_its_slot(cluster
     assert complete(r).status_code == 200
 
 
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, tiny_folder,
+                                                                      tmp_path):
+    """Item 3b: for n > 1 the router buffered every choice's frames in an unbounded queue: one
+    request with `top_logprobs: 20` that its client did not read grew the router by 18 MB
+    (n x max_tokens x ~1.4 KB). A router with a write deadline long enough not to cut the
+    stream: once the workers stop producing, the router has grown by a fraction of what the
+    request would have buffered (each choice holds 32 frames and a 128 KiB read buffer; the
+    rest waits in the worker's stream, whose writes wait on the router)."""
+    _, p, d = cluster
+    quiet(p, d)
+    r = Router(tiny_folder, cluster[0].namespace, cache_dir=tmp_path,
+               extra=["--stream-write-timeout-s", "600"])
+    n, max_tokens = 8, 1500
+    body = json.dumps({"model": MODEL, "n": n, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = socket.socket()
+    try:
+        r.wait_workers(2)
+        for _ in range(3):  # warm: the router's own allocations for such a request are made
+            assert r.client.post("/v1/chat/completions", json={
+                "model": MODEL, "n": 2, "max_tokens": 16, "logprobs": True, "top_logprobs": 20,
+                "stream": True, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        before = _rss_bytes(r.proc.pid)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", r.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.recv(1024)  # the stream started; then never read again
+        start = generated(p, d)
+        deadline = time.monotonic() + 120
+        last = -1.0
+        while time.monotonic() < deadline:  # until the workers stop producing for it
+            time.sleep(2.0)
+            now = generated(p, d)
+            if now == last:
+                break
+            last = now
+        produced = last - start
+        assert produced > 0, "the stream never started"
+        grown = _rss_bytes(r.proc.pid) - before
+        would_buffer = produced * 1400  # what the router held before: every frame produced
+        assert grown < 8 << 20, f"the router grew by {grown / 1e6:.1f} MB while {produced:.0f} tokens were produced"
+        assert inflight(r) == n  # the stream is alive (n choices), waiting on its client
+        print(f"produced {produced:.0f} tokens (~{would_buffer / 1e6:.1f} MB of frames); "
+              f"router grew {grown / 1e6:.1f} MB")
+    finally:
+        s.close()
+        r.close()
+    quiet(p, d, timeout=60)
+
+
 def test_partial_headers_and_bodies_are_cut(cluster):
     """Item 3d: connections with partial headers or a partial body were held indefinitely."""
     r, _, _ = cluster
