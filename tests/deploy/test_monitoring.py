@@ -99,7 +99,8 @@ def test_compose_services_run_commands_our_cli_accepts():
 
     compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"redis", "router", "prefill-1", "prefill-2", "decode-1", "prometheus", "grafana"} <= set(services)
+    assert {"redis", "router", "prefill-1", "prefill-2", "decode-1", "decode-2", "prometheus",
+            "grafana"} <= set(services)
     roles = []
     for name, svc in services.items():
         if name.startswith(("prefill", "decode")) and not svc.get("profiles"):  # GPU ones: test_images
@@ -107,14 +108,14 @@ def test_compose_services_run_commands_our_cli_accepts():
             roles.append(args.command)
             assert args.advertise_host == name and args.redis_url == "redis://redis:6379/0"
             assert svc["build"]["target"] == "worker"
-    assert sorted(roles) == ["decode", "prefill", "prefill"]
+    assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
     router = build_parser().parse_args(["router", *services["router"]["command"]])
     assert router.redis_url == "redis://redis:6379/0" and services["router"]["build"]["target"] == "router"
     # Prometheus scrapes every Tandem service of the compose file.
     prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in prom["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}
-    assert targets == {"router", "prefill-1", "prefill-2", "decode-1"}
+    assert targets == {"router", "prefill-1", "prefill-2", "decode-1", "decode-2"}
 
 
 def test_dockerfile_copies_every_package():
