@@ -83,20 +83,20 @@ run build 150 "$PY" -m kv_transfer.build --arch 90 &
 BUILD_PID=$!
 
 run engine 170 "$PY" bench/engine.py --device cuda --shapes smollm2-1.7b,llama3-8b \
-  --out "$PARTS/engine.json"
+  --timeout-s 155 --out "$PARTS/engine.json"
 
 wait "$BUILD_PID"
 
 run kernels 40 "$PY" bench/kv_kernels.py --device cuda --out "$PARTS/kernels.json"
 
 run transfer 130 "$PY" bench/kv_transfer.py --device cuda --layouts smollm2,llama3-8b \
-  --sizes 1,16,256,4096 --out "$PARTS/transfer.json"
+  --sizes 1,16,256,4096 --timeout 110 --out "$PARTS/transfer.json"
 
 run pytest 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$PARTS/pytest.xml" tests/engine tests/kv_transfer &
 PYTEST_PID=$!
 
-run pd 120 "$PY" bench/gpu_pd.py --shape smollm2-1.7b --tokenizer "$TOKENIZER" \
+run pd 150 "$PY" bench/gpu_pd.py --shape smollm2-1.7b --tokenizer "$TOKENIZER" \
   --out "$PARTS/pd.json"
 
 wait "$PYTEST_PID"

@@ -32,13 +32,18 @@ from engine.tiny import build_tiny_random  # noqa: E402
 from tandem.cluster import Router, Worker, series_sum  # noqa: E402
 
 
+# One request at a time: few CUDA-graph buckets to capture at start (the engine and both workers).
+MAX_NUM_SEQS = 8
+
+
 def reference_texts(folder: Path, prompts: list[list[int]], max_tokens: int, device: str,
                     dtype: str) -> tuple[list[str], list[list[int]]]:
     import torch
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(folder), device=device, dtype=dtype, num_blocks=1024, block_size=16)
+    llm = LLM(str(folder), device=device, dtype=dtype, num_blocks=1024, block_size=16,
+              max_num_seqs=MAX_NUM_SEQS)
     outs = [llm.generate(p, SamplingParams(temperature=0, max_tokens=max_tokens,
                                            ignore_eos=True))[0] for p in prompts]
     del llm
@@ -79,7 +84,7 @@ def main() -> int:
     want, want_ids = reference_texts(folder, prompts, args.max_tokens, args.device, args.dtype)
 
     flags = ["--device", args.device, "--dtype", args.dtype, "--transport", args.transport,
-             "--lease-seconds", "10"]
+             "--lease-seconds", "10", "--max-num-seqs", str(MAX_NUM_SEQS)]
     num_blocks = 2048 if args.device == "cuda" else 256
     workers: list[Worker] = []
     router = None

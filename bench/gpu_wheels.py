@@ -22,7 +22,7 @@ from pathlib import Path
 # What the router, the workers and the transfer layer import beyond the GPU image's packages.
 PACKAGES = ("pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "typing-inspection",
             "annotated-types", "fastapi", "starlette", "uvicorn", "redis", "orjson", "llguidance",
-            "httptools", "opentelemetry-api", "importlib-metadata")
+            "httptools", "opentelemetry-api", "importlib-metadata", "sniffio")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
              "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64")
