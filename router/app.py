@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.body_limit import BodyLimit
 from common.errors import APIError, error_response, install_error_handlers
+from router.clients import client_id
 from router.front import FrontedAPI
 from router.gateway import ROLES, Gateway
 from router.metrics import NO_MODEL
@@ -35,13 +36,18 @@ def create_app(settings: RouterSettings) -> FastAPI:
                      body_timeout_s=settings.body_timeout_s, on_error=lambda status: gw.metrics.count(status, NO_MODEL))
     install_error_handlers(app)
 
-    async def serve(chat: bool, headers, raw: bytes) -> Response:
+    async def serve(chat: bool, headers, raw: bytes, peer: str | None) -> Response:
         body = None
         try:
             api_key = gw.auth.check(headers.get("authorization"))  # 401 before any 400
-            await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
-            body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-            return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")), api_key)
+            client = client_id(api_key, peer)
+            # One client's requests are worked on a few at a time (router/clients.py): a client
+            # looping cheap refusals cannot take the event loop from the others.
+            async with gw.clients.enter(client):
+                await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
+                body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+                return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")),
+                                      api_key, client)
         except Exception as e:  # noqa: BLE001 - counted here, answered by FrontedAPI
             response = error_response(e)
             gw.metrics.count(response.status_code, body.model if body is not None else NO_MODEL)

@@ -19,14 +19,14 @@ from starlette.responses import Response
 from common.body_limit import too_large
 from common.errors import APIError, error_response
 
-Handler = Callable[[Headers, bytes], Awaitable[Response]]
+Handler = Callable[[Headers, bytes, str | None], Awaitable[Response]]  # headers, body, peer host
 log = logging.getLogger(__name__)
 
 
 class FrontedAPI(FastAPI):
     """A FastAPI app where POSTs to a path given to `serve_directly` skip the framework: the
     body is read whole (refused with 413 past `max_body_bytes`, declared or chunked) and goes
-    to `handler(headers, body)`, whose response or error is sent as is."""
+    to `handler(headers, body, peer host)`, whose response or error is sent as is."""
 
     def __init__(self, *args, max_body_bytes: int, body_timeout_s: float = 30.0,
                  on_error: Callable[[int], None] | None = None, **kwargs) -> None:
@@ -52,7 +52,9 @@ class FrontedAPI(FastAPI):
             except TimeoutError:
                 raise APIError(408, f"the request body did not arrive within "
                                f"{self.body_timeout_s:g} s", "request_timeout") from None
-            response = await self._unless_gone(handler(headers, body), receive)
+            peer = scope.get("client")
+            response = await self._unless_gone(handler(headers, body, peer[0] if peer else None),
+                                               receive)
             if response is None:  # the client left: its request was cancelled, nobody to answer
                 if self.on_error is not None:
                     self.on_error(499)

@@ -13,7 +13,6 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 
 import aiohttp
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from common.background import BackgroundErrors
 from common.errors import APIError
@@ -21,18 +20,19 @@ from common.openai_request import prompt_token_ids
 from common.protocol import SamplingOptions, StreamEvent
 from common.redis_client import connect
 from common.registry import RedisKeys
-from common.structured import check_cost, tokenizer_file_of
-from common.tool_calls import PARSERS, constrain_tools
+from common.tool_calls import PARSERS
 from router.admission import Admission
 from router.backend import RequestRejected, Timeouts, WorkerFailure
 from router.backends import BACKENDS
+from router.choices import Choices
+from router.clients import ClientGate
 from router.dispatch import Dispatcher, Trace
 from router.index import INDEXES, PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
 from router.openai_format import text_chars
-from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openai_models import ChatCompletionRequest
 from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
@@ -63,7 +63,7 @@ class Gateway:
                  directory: WorkerDirectory, policy: Policy, metrics: RouterMetrics,
                  registry: CollectorRegistry, admission: Admission, auth: KeyAuth,
                  index: PrefixIndex | None = None, limiter: RateLimiter | None = None,
-                 dispatcher: Dispatcher | None = None) -> None:
+                 dispatcher: Dispatcher | None = None, clients: ClientGate | None = None) -> None:
         self.settings = settings
         self.catalog = catalog
         self.directory = directory
@@ -71,15 +71,14 @@ class Gateway:
         self.metrics = metrics
         self.registry = registry
         self.admission = admission
+        self.clients = clients or ClientGate(None)
         self.auth = auth
         self.index = index  # Redis's; without Redis each model's in-process index
         self.limiter = limiter
         self.dispatcher = dispatcher
         self.keys = RedisKeys(settings.namespace)
         self.draining = False
-        # Grammar checks run in threads (llguidance releases the GIL); two at a time, so a
-        # flood of distinct constraints costs the router two cores' worth at most.
-        self._grammar_checks = asyncio.Semaphore(2)
+        self.choices = Choices(settings.max_tokens_default)  # every choice's options, checked
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> Gateway:
@@ -101,7 +100,9 @@ class Gateway:
         return cls(settings, catalog=catalog, directory=directory,
                    policy=make_policy(settings.policy, settings),
                    metrics=RouterMetrics(registry), registry=registry,
-                   admission=Admission(settings.max_running, settings.max_queued),
+                   admission=Admission(settings.max_running, settings.max_queued,
+                                       settings.client_max_running),
+                   clients=ClientGate(settings.client_max_requests, settings.client_max_waiting),
                    auth=KeyAuth(load_keys(settings.api_keys, settings.api_keys_file)))
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -188,27 +189,6 @@ class Gateway:
         self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
         return plan
 
-    def sampling(self, body, n_index: int) -> SamplingOptions:
-        lp = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) and body.logprobs else None
-        if isinstance(body, CompletionRequest):
-            lp = body.logprobs
-        try:
-            opts = body.sampling_options(self.settings.max_tokens_default, n_index, lp)
-        except ValidationError as e:  # pydantic's own text (with its URL) is not for clients
-            first = e.errors(include_url=False)[0]
-            field = ".".join(str(x) for x in first.get("loc", ()))
-            raise APIError(400, f"{field}: {first.get('msg')}" + (
-                f" (choice {n_index})" if body.n > 1 else ""), "invalid_request",
-                field or None) from e
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_request", getattr(e, "param", None)) from e
-        if isinstance(body, ChatCompletionRequest):
-            try:
-                return constrain_tools(body, opts)
-            except ValueError as e:
-                raise APIError(400, str(e), "invalid_request", "tool_choice") from e
-        return opts
-
     def model_for(self, body) -> ServedModel:
         """The served model a request names: 404 for a name no worker serves (or this router
         is not serving), with the names it does serve."""
@@ -248,27 +228,6 @@ class Gateway:
                            f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
                            "context_length_exceeded", param)
         return ids
-
-    async def choice_options(self, body, model: ServedModel) -> list[SamplingOptions]:
-        """Every choice's sampling options, all validated before any choice starts (a 400 for
-        the last one must not leave the others generating). A constraint is compiled and its
-        first masks computed off the event loop, within a time budget: one that would stall
-        or fail an engine is a 400 naming its field (common/structured.py `check_cost`)."""
-        if not (body.constrained() or getattr(body, "tools", None)):
-            return [self.sampling(body, i) for i in range(body.n)]
-        async with self._grammar_checks:
-            return await asyncio.to_thread(self._constrained_options, body, model)
-
-    def _constrained_options(self, body, model: ServedModel) -> list[SamplingOptions]:
-        opts = [self.sampling(body, i) for i in range(body.n)]
-        s = opts[0].structured
-        if s is not None and model.tokenizer_source:
-            why = check_cost(s.kind, s.spec, tokenizer_file_of(model.tokenizer_source))
-            if why is not None:
-                param = body.constraint_field() or "tool_choice"
-                raise APIError(400, f"{param}: the output constraint cannot be served: {why}",
-                               "invalid_request", param)
-        return opts
 
     async def run_one(self, body, model: ServedModel, prompt: list[int], opts: SamplingOptions,
                       rid: str, client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:

@@ -26,7 +26,8 @@ from router.openai_format import (
 from router.sse import DeadlineStreamingResponse, sse
 
 
-async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None) -> Response:
+async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None,
+                   client: str = "") -> Response:
     t_start = time.perf_counter()
     model = gw.model_for(body)
     gw.metrics.add_model(model.name)
@@ -40,9 +41,9 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
     gw.metrics.prompt_tokens.labels(model.name).inc(len(prompt) * body.n)
     created = int(time.time())
     # Every choice is validated before any starts (and before an admission slot is taken).
-    opts = await gw.choice_options(body, model)
+    opts = await gw.choices.options(body, model)
     async with AsyncExitStack() as admitted:
-        await admitted.enter_async_context(gw.admission.slot(body.priority, body.n))
+        await admitted.enter_async_context(gw.admission.slot(body.priority, body.n, client))
         if body.stream:
             gens = [gw.run_one(body, model, prompt, opts[i], rid if body.n == 1 else f"{rid}-{i}",
                                client_rid) for i in range(body.n)]

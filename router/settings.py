@@ -101,6 +101,16 @@ class RouterSettings(BaseSettings):
     max_tokens_default: int = Field(256, description="max_tokens of requests that give none")
     max_running: int = Field(512, description="requests in flight before new ones queue")
     max_queued: int = Field(2048, description="queued requests beyond which: 503 + Retry-After")
+    # Per client (its API key, else its address; router/clients.py). Off by default: behind a
+    # proxy every client has the proxy's address.
+    client_max_requests: int | None = Field(None, ge=1, description="requests of one client "
+                                            "(API key, else address) worked on at once; more "
+                                            "wait their turn (none: no limit)")
+    client_max_waiting: int = Field(64, ge=0, description="requests of one client waiting "
+                                    "their turn beyond which: 429")
+    client_max_running: int | None = Field(None, ge=1, description="choices of one client "
+                                           "running on the workers at once; more queue (none: "
+                                           "no limit; the queue is fair between clients either way)")
     # kv_aware cost model (seconds); every weight and threshold is a setting.
     default_prefill_tokens_per_s: float = Field(1000.0, description="prefill rate assumed until "
                                                 "a worker's has been measured")

@@ -63,6 +63,14 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
+    add_status_routes(app, settings, state, registry)
+    return app
+
+
+def add_status_routes(app: FastAPI, settings: WorkerSettings, state: WorkerState,
+                      registry: CollectorRegistry) -> None:
+    """`/health`, `/ready` (the model fields only for holders of the internal token), `/metrics`."""
+
     @app.get("/health")
     async def health() -> Response:
         if state.engine is None or not state.engine.alive:
@@ -89,8 +97,6 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         if state.engine is not None:
             state.metrics.sample_engine(state.engine.stats())
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def fault_router(state: WorkerState):

@@ -282,6 +282,54 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
     quiet(p, d, timeout=60)
 
 
+def _post_raw(port: int, path: str, body: dict, key: str) -> socket.socket:
+    """A request sent on a socket of its own (closing it is the client leaving)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+              + data)
+    return s
+
+
+def _engine_requests(*workers: Worker) -> float:
+    return sum(w.metrics()["tandem_worker_running_requests"]
+               + w.metrics()["tandem_worker_waiting_requests"] for w in workers)
+
+
+def test_one_client_cannot_take_the_workers_from_another(cluster, tiny_folder, tmp_path):
+    """Item 1's class (one client taking the engines from the others): a router with per-client
+    limits (`--client-max-running 8`, clients told apart by API key) runs at most 8 of one
+    client's choices at once, whatever it queues, and another client's request goes ahead of
+    that client's queued ones."""
+    _, p, d = cluster
+    quiet(p, d)
+    r = Router(tiny_folder, cluster[0].namespace, cache_dir=tmp_path, extra=[
+        "--api-key", "a-key", "--api-key", "b-key", "--client-max-running", "8"])
+    hogs: list[socket.socket] = []
+    try:
+        r.wait_workers(2)
+        body = {"model": MODEL, "prompt": "hog", "n": 8, "max_tokens": 1500, "ignore_eos": True}
+        hogs = [_post_raw(r.port, "/v1/completions", body, "a-key") for _ in range(3)]
+        wait_for(lambda: _engine_requests(p, d) >= 8, 30, "the first hog to run")
+        most = 0.0
+        for _ in range(10):
+            most = max(most, _engine_requests(p, d))
+            time.sleep(0.2)
+        assert most <= 8, f"{most} of one client's choices ran at once"
+        assert inflight(r) == 8 + 2  # 8 choices running, the 2 other requests queued
+        t0 = time.monotonic()
+        resp = r.client.post("/v1/completions", headers={"Authorization": "Bearer b-key"},
+                             json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        assert time.monotonic() - t0 < 20  # not behind the hog's 1,500-token choices
+    finally:
+        for s in hogs:
+            s.close()
+        r.close()
+    quiet(p, d, timeout=60)
+
+
 def test_partial_headers_and_bodies_are_cut(cluster):
     """Item 3d: connections with partial headers or a partial body were held indefinitely."""
     r, _, _ = cluster

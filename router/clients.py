@@ -1,0 +1,88 @@
+"""Per-client fairness: who a request is from (its API key, else its peer address) and how many
+of one client's requests the router works on at once.
+
+A client that loops cheap-to-refuse requests (grammar bombs, invalid `n > 1` requests) from
+many connections otherwise takes the router's event loop from everyone: each of its requests is
+parsed, validated and answered as fast as it comes. With `max_requests`, at most that many of a
+client's requests are past the gate at a time; the rest wait (a waiting request costs nothing)
+in a bounded line, and past it they are refused with 429. Admission (router/admission.py) then
+shares the workers between clients by the same identity."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from contextlib import asynccontextmanager
+
+from common.errors import APIError
+
+
+def client_id(api_key: str | None, peer: str | None) -> str:
+    """The identity fairness counts by: a digest of the API key (never the key itself, which
+    would end up in memory dumps of this table), else the peer's address."""
+    if api_key:
+        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    return f"addr:{peer or 'unknown'}"
+
+
+class ClientGate:
+    """At most `max_requests` requests per client at once (None: no limit), at most
+    `max_waiting` more waiting; FIFO within a client."""
+
+    def __init__(self, max_requests: int | None, max_waiting: int = 64) -> None:
+        self.max_requests = max_requests
+        self.max_waiting = max_waiting
+        self._active: dict[str, int] = {}  # client -> requests past the gate (entries removed at 0)
+        self._waiting: dict[str, deque[asyncio.Future]] = {}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._active)
+
+    @asynccontextmanager
+    async def enter(self, client: str):
+        if self.max_requests is None:
+            yield
+            return
+        await self._acquire(client)
+        try:
+            yield
+        finally:
+            self._release(client)
+
+    async def _acquire(self, client: str) -> None:
+        if self._active.get(client, 0) < self.max_requests and not self._waiting.get(client):
+            self._active[client] = self._active.get(client, 0) + 1
+            return
+        line = self._waiting.setdefault(client, deque())
+        if len(line) >= self.max_waiting:
+            raise APIError(429, f"too many concurrent requests from this client (at most "
+                           f"{self.max_requests} at once, {self.max_waiting} waiting)",
+                           "too_many_concurrent_requests", headers={"Retry-After": "1"})
+        fut = asyncio.get_running_loop().create_future()
+        line.append(fut)
+        try:
+            await fut  # the releaser passed its place to this waiter
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release(client)  # got the place just as the client left: pass it on
+            else:
+                line.remove(fut)
+                if not line:
+                    del self._waiting[client]
+            raise
+
+    def _release(self, client: str) -> None:
+        line = self._waiting.get(client)
+        while line:
+            fut = line.popleft()
+            if not fut.done():
+                if not line:
+                    del self._waiting[client]
+                fut.set_result(None)  # the place goes to the next waiter: `_active` unchanged
+                return
+        self._waiting.pop(client, None)
+        self._active[client] -= 1
+        if self._active[client] == 0:
+            del self._active[client]
