@@ -12,14 +12,24 @@ each attack runs (at most 50 connections; each attack alone):
                  stream write deadline, reconnecting)
   slowloris      40 connections send headers a byte a second (closed at the header deadline,
                  reconnecting)
-JSON: victim p50/p99 (ms) and statuses per phase, the ratio against idle, and what the attackers
-got back. Not a test: figures depend on the machine.
+The victim and the attackers are told apart as a gateway tells clients apart: by API key
+(`victim-key`, `attacker-key`), and the router runs with per-client limits
+(`--client-max-requests`, `--client-max-running`, `--client-requests-per-s`; 0 turns one off
+to compare). Each attack runs
+in a process of its own, so the attackers' threads never share the victim's interpreter (and
+GIL) and the figures are the router's.
+
+JSON: victim p50/p99 (ms) and statuses per phase, the ratio against idle, what the attackers
+got back, the router's per-client settings and the load average. Not a test: figures depend on
+the machine (on a shared one, compare the ratios of one run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import socket
 import statistics
 import sys
@@ -33,10 +43,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.tiny import build_tiny_random  # noqa: E402
 from tandem.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
 
 MODEL = "tiny-random"
+VICTIM = {"Authorization": "Bearer victim-key"}
+ATTACKER = {"Authorization": "Bearer attacker-key"}
 BOMBS = [{"guided_regex": "((a{1000}){1000})"}, {"guided_regex": "(a{10000}){10000}"},
          {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
              "type": "string", "pattern": "^((a{100}){100}){100}$"}}}},
@@ -45,7 +56,7 @@ BOMBS = [{"guided_regex": "((a{1000}){1000})"}, {"guided_regex": "(a{10000}){100
 
 def victim(url: str, n: int) -> tuple[list[float], dict[int, int]]:
     ms, statuses = [], {}
-    with httpx.Client(timeout=120) as c:
+    with httpx.Client(timeout=120, headers=VICTIM) as c:
         for i in range(n):
             t0 = time.perf_counter()
             r = c.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": f"victim {i}",
@@ -61,7 +72,7 @@ def summary(ms: list[float]) -> dict:
 
 
 def grammar_bombs(url: str, stop: threading.Event, got: list, i: int) -> None:
-    with httpx.Client(timeout=120) as c:
+    with httpx.Client(timeout=120, headers=ATTACKER) as c:
         while not stop.is_set():
             got.append(c.post(f"{url}/v1/completions", json={
                 "model": MODEL, "prompt": "x", "max_tokens": 16, "n": 8,
@@ -69,7 +80,7 @@ def grammar_bombs(url: str, stop: threading.Event, got: list, i: int) -> None:
 
 
 def n_orphans(url: str, stop: threading.Event, got: list, i: int) -> None:
-    with httpx.Client(timeout=120) as c:
+    with httpx.Client(timeout=120, headers=ATTACKER) as c:
         while not stop.is_set():
             got.append(c.post(f"{url}/v1/completions", json={
                 "model": MODEL, "prompt": "x", "max_tokens": 1500, "n": 8, "ignore_eos": True,
@@ -87,7 +98,8 @@ def slow_reader(url: str, stop: threading.Event, got: list, i: int) -> None:
         s.settimeout(1.0)
         try:
             s.connect(("127.0.0.1", port))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Authorization: Bearer attacker-key\r\nContent-Type: "
                       b"application/json\r\nContent-Length: " + str(len(body)).encode()
                       + b"\r\n\r\n" + body)
             s.recv(256)
@@ -137,11 +149,35 @@ ATTACKS = {"grammar_bombs": (grammar_bombs, 8), "n_orphans": (n_orphans, 8),
            "slow_readers": (slow_reader, 8), "slowloris": (slowloris, 40)}
 
 
+def attacker_process(name: str, url: str, stop, out) -> None:
+    """One attack's clients, as threads of a process of their own; what they got goes to `out`."""
+    attack, clients = ATTACKS[name]
+    got: list = []
+    threads = [threading.Thread(target=attack, args=(url, stop, got, i)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(got)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40, help="victim requests per phase")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attack.json"))
+    ap.add_argument("--client-max-requests", type=int, default=2, help="0: no limit")
+    ap.add_argument("--client-max-running", type=int, default=8, help="0: no limit")
+    ap.add_argument("--client-requests-per-s", type=float, default=20.0, help="0: no limit")
     args = ap.parse_args()
+    limits = []
+    if args.client_max_requests:
+        limits += ["--client-max-requests", str(args.client_max_requests)]
+    if args.client_max_running:
+        limits += ["--client-max-running", str(args.client_max_running)]
+    if args.client_requests_per_s:
+        limits += ["--client-requests-per-s", str(args.client_requests_per_s)]
+    from engine.tiny import build_tiny_random  # torch: not for the attackers' processes
+
     work = Path(args.out).parent
     work.mkdir(parents=True, exist_ok=True)
     folder = build_tiny_random(work / "models" / MODEL)
@@ -151,24 +187,26 @@ def main() -> None:
         procs.append(Worker("prefill", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
         procs.append(Worker("decode", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
         router = Router(folder, ns, cache_dir=work, extra=[
-            "--stream-write-timeout-s", "5", "--header-timeout-s", "5"])
+            "--stream-write-timeout-s", "5", "--header-timeout-s", "5",
+            "--api-key", "victim-key", "--api-key", "attacker-key", *limits])
         procs.append(router)
         router.wait_workers(2)
         victim(router.url, 5)  # warm up
         ms, statuses = victim(router.url, args.requests)
-        result = {"victim_requests": args.requests, "idle": {**summary(ms), "statuses": statuses}}
+        result = {"victim_requests": args.requests, "router_limits": limits,
+                  "load_average_start": os.getloadavg(),
+                  "idle": {**summary(ms), "statuses": statuses}}
         print("idle", result["idle"], flush=True)
-        for name, (attack, clients) in ATTACKS.items():
-            stop, got = threading.Event(), []
-            threads = [threading.Thread(target=attack, args=(router.url, stop, got, i))
-                       for i in range(clients)]
-            for t in threads:
-                t.start()
-            time.sleep(2.0)  # the attack is under way
+        mp = multiprocessing.get_context("spawn")
+        for name, (_, clients) in ATTACKS.items():
+            stop, out = mp.Event(), mp.Queue()
+            proc = mp.Process(target=attacker_process, args=(name, router.url, stop, out))
+            proc.start()
+            time.sleep(4.0)  # the attack is under way (the process imports, then connects)
             ms, statuses = victim(router.url, args.requests)
             stop.set()
-            for t in threads:
-                t.join()
+            got = out.get(timeout=60)
+            proc.join(30)
             row = {**summary(ms), "statuses": statuses, "attack_connections": clients,
                    "p50_vs_idle": round(summary(ms)["p50_ms"] / result["idle"]["p50_ms"], 2),
                    "p99_vs_idle": round(summary(ms)["p99_ms"] / result["idle"]["p99_ms"], 2)}
@@ -179,6 +217,7 @@ def main() -> None:
             result[name] = row
             print(name, row, flush=True)
             time.sleep(3.0)  # what the attack left running drains before the next phase
+        result["load_average_end"] = os.getloadavg()
     finally:
         for p in reversed(procs):
             p.close()

@@ -152,18 +152,40 @@ def _ll_tokenizer(tokenizer_file: str):
     return llguidance.LLTokenizer(tokenizer_file)
 
 
-@functools.lru_cache(maxsize=1024)
+GAVE_UP = "the grammar engine gave up on it: "
+
+
 def check_cost(kind: str, spec: str, tokenizer_file: str, budget_s: float = CHECK_BUDGET_S) -> str | None:
     """Why a compiled constraint would stall or fail an engine, or None when it is fine: a
     matcher under `parser_limits()` computes its first mask, takes one allowed token and
     computes the next (where a grammar bomb or a constraint nothing can satisfy errs), all
-    within `budget_s`. Releases the GIL while llguidance works; the verdict is cached per spec."""
+    within `budget_s`. Releases the GIL while llguidance works. What llguidance decides (an
+    error, or fine within the budget) is cached per spec; a check that only ran out of time is
+    not (on a busy machine an ordinary schema can: it is measured again next time)."""
+    key = (kind, spec, tokenizer_file)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    why, elapsed = _first_masks(kind, spec, tokenizer_file)
+    if why is None and elapsed > budget_s:
+        return f"it costs more than {budget_s:g} s to start (too complex)"
+    if len(_VERDICTS) >= 1024:
+        _VERDICTS.pop(next(iter(_VERDICTS)))
+    _VERDICTS[key] = why
+    return why
+
+
+# (kind, spec, tokenizer file) -> llguidance's verdict; bounded, oldest first out.
+_VERDICTS: dict[tuple[str, str, str], str | None] = {}
+
+
+def _first_masks(kind: str, spec: str, tokenizer_file: str) -> tuple[str | None, float]:
+    """(llguidance's error or None, seconds the first masks took)."""
     import llguidance
     import numpy as np
     from llguidance.numpy import fill_next_token_bitmask
 
+    tok = _ll_tokenizer(tokenizer_file)  # loaded once (~0.3 s): not the constraint's cost
     t0 = time.perf_counter()
-    tok = _ll_tokenizer(tokenizer_file)
     matcher = llguidance.LLMatcher(tok, compile_grammar(kind, spec), log_level=0,
                                    limits=parser_limits())
     vocab = tok.vocab_size
@@ -179,11 +201,10 @@ def check_cost(kind: str, spec: str, tokenizer_file: str, budget_s: float = CHEC
         if not allowed:
             break
         matcher.consume_token(allowed[0])
+    elapsed = time.perf_counter() - t0
     if matcher.is_error():
-        return "the grammar engine gave up on it: " + (matcher.get_error() or "").splitlines()[0][:200]
-    if time.perf_counter() - t0 > budget_s:
-        return f"it costs more than {budget_s:g} s to start (too complex)"
-    return None
+        return GAVE_UP + (matcher.get_error() or "").splitlines()[0][:200], elapsed
+    return None, elapsed
 
 
 def tokenizer_file_of(folder: str | Path) -> str:

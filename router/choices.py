@@ -2,8 +2,9 @@
 one must not leave the others generating), and the cost of a constraint bounded before it
 reaches an engine: compiled and its first masks computed off the event loop, within a time
 budget (common/structured.py `check_cost`); one that would stall or fail an engine is a 400
-naming its field. A refused constraint is remembered by its request field, so the same bomb
-sent again is refused on the event loop for the price of a dictionary lookup."""
+naming its field. A constraint the grammar engine gave up on is remembered by its request
+field, so the same bomb sent again is refused on the event loop for the price of a dictionary
+lookup (one refused only for time, which a busy machine can cause, is checked again)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from common.errors import APIError
 from common.protocol import SamplingOptions
-from common.structured import check_cost, tokenizer_file_of
+from common.structured import GAVE_UP, check_cost, tokenizer_file_of
 from common.tool_calls import constrain_tools
 from router.models import ServedModel
 from router.openai_models import ChatCompletionRequest, CompletionRequest
@@ -66,9 +67,10 @@ class Choices:
                 why = await asyncio.to_thread(self._check, body, model)
             if isinstance(why, list):
                 return why
-            self._refused[key] = why
-            if len(self._refused) > REFUSED_KEPT:
-                self._refused.popitem(last=False)
+            if why.startswith(GAVE_UP):  # llguidance's verdict, not a measurement of a busy moment
+                self._refused[key] = why
+                if len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
         else:
             self._refused.move_to_end(key)
         raise APIError(400, f"{param}: the output constraint cannot be served: {why}",

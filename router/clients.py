@@ -5,13 +5,18 @@ A client that loops cheap-to-refuse requests (grammar bombs, invalid `n > 1` req
 many connections otherwise takes the router's event loop from everyone: each of its requests is
 parsed, validated and answered as fast as it comes. With `max_requests`, at most that many of a
 client's requests are past the gate at a time; the rest wait (a waiting request costs nothing)
-in a bounded line, and past it they are refused with 429. Admission (router/admission.py) then
-shares the workers between clients by the same identity."""
+in a bounded line, and past it they are refused with 429. That bounds a client's share of the
+router at any moment, not its rate: with `requests_per_s`, a client's requests beyond a burst
+wait their turn at that rate (as nginx's `limit_req` with a burst: a request past twice the
+burst is refused with 429), so one that loops refusals as fast as they come gets `requests_per_s`
+of them, and the router's CPU goes to the others. Admission (router/admission.py) then shares
+the workers between clients by the same identity."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import deque
 from contextlib import asynccontextmanager
 
@@ -30,9 +35,13 @@ class ClientGate:
     """At most `max_requests` requests per client at once (None: no limit), at most
     `max_waiting` more waiting; FIFO within a client."""
 
-    def __init__(self, max_requests: int | None, max_waiting: int = 64) -> None:
+    def __init__(self, max_requests: int | None, max_waiting: int = 64,
+                 requests_per_s: float | None = None, burst: int = 20) -> None:
         self.max_requests = max_requests
         self.max_waiting = max_waiting
+        self.requests_per_s = requests_per_s
+        self.burst = burst
+        self._due: dict[str, float] = {}  # client -> when its next request is due at the rate
         self._active: dict[str, int] = {}  # client -> requests past the gate (entries removed at 0)
         self._waiting: dict[str, deque[asyncio.Future]] = {}
 
@@ -42,6 +51,8 @@ class ClientGate:
 
     @asynccontextmanager
     async def enter(self, client: str):
+        if self.requests_per_s:
+            await self._pace(client)
         if self.max_requests is None:
             yield
             return
@@ -50,6 +61,23 @@ class ClientGate:
             yield
         finally:
             self._release(client)
+
+    async def _pace(self, client: str) -> None:
+        """Wait until the client's request is due at `requests_per_s` (the first `burst` go at
+        once); 429 when it would wait for more than another `burst` of them (GCRA)."""
+        now = time.monotonic()
+        interval = 1.0 / self.requests_per_s
+        due = max(self._due.get(client, now), now)
+        delay = due - now - self.burst * interval
+        if delay > self.burst * interval:
+            raise APIError(429, f"rate limit of {self.requests_per_s:g} requests per second for "
+                           "this client reached", "rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, round(delay)))})
+        if len(self._due) > 100_000:  # bounded: forget clients whose every request is past due
+            self._due = {c: t for c, t in self._due.items() if t > now}
+        self._due[client] = due + interval
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     async def _acquire(self, client: str) -> None:
         if self._active.get(client, 0) < self.max_requests and not self._waiting.get(client):

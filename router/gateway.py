@@ -102,7 +102,8 @@ class Gateway:
                    metrics=RouterMetrics(registry), registry=registry,
                    admission=Admission(settings.max_running, settings.max_queued,
                                        settings.client_max_running),
-                   clients=ClientGate(settings.client_max_requests, settings.client_max_waiting),
+                   clients=ClientGate(settings.client_max_requests, settings.client_max_waiting,
+                                      settings.client_requests_per_s, settings.client_burst),
                    auth=KeyAuth(load_keys(settings.api_keys, settings.api_keys_file)))
 
     # ---- lifecycle -----------------------------------------------------------------------------

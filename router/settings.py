@@ -108,6 +108,12 @@ class RouterSettings(BaseSettings):
                                             "wait their turn (none: no limit)")
     client_max_waiting: int = Field(64, ge=0, description="requests of one client waiting "
                                     "their turn beyond which: 429")
+    client_requests_per_s: float | None = Field(None, gt=0, description="requests per second "
+                                                "of one client beyond a burst: more wait "
+                                                "their turn, and past twice the burst: 429 "
+                                                "(none: no limit)")
+    client_burst: int = Field(20, ge=1, description="requests of one client that go at once "
+                              "before --client-requests-per-s paces them")
     client_max_running: int | None = Field(None, ge=1, description="choices of one client "
                                            "running on the workers at once; more queue (none: "
                                            "no limit; the queue is fair between clients either way)")

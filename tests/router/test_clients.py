@@ -102,3 +102,37 @@ def test_a_waiting_heavy_request_is_not_overtaken_by_lighter_ones_of_its_class()
         assert order == ["a-n1", "b-n2", "a-n1-again"]
 
     asyncio.run(go())
+
+
+def test_a_client_past_its_burst_waits_its_turn_at_the_rate_then_gets_429(monkeypatch):
+    import router.clients as clients
+
+    now = [100.0]
+    slept: list[float] = []
+
+    async def fake_sleep(delay: float) -> None:
+        slept.append(round(delay, 3))
+
+    monkeypatch.setattr(clients.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(clients.asyncio, "sleep", fake_sleep)
+
+    async def go():
+        gate = ClientGate(None, requests_per_s=10, burst=2)
+        for _ in range(5):
+            async with gate.enter("a"):
+                pass
+        assert slept == [0.1, 0.2]  # the burst and the one due now at once, then paced
+        with pytest.raises(APIError) as e:  # past twice the burst
+            async with gate.enter("a"):
+                pass
+        assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1
+        async with gate.enter("b"):  # another client is not paced by a's requests
+            pass
+        assert len(slept) == 2
+        now[0] += 10.0  # a while later, a's burst is whole again
+        for _ in range(2):
+            async with gate.enter("a"):
+                pass
+        assert len(slept) == 2
+
+    asyncio.run(go())
