@@ -8,7 +8,7 @@ one call per sequence (they are few and long).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,11 @@ class PrefillChunk:
 
 class AttentionBatch(Protocol):
     """What a layer asks of a step's attention metadata: this backend's (SDPA here, Triton in
-    engine/triton_attention.py) KV store and attention over the paged cache."""
+    engine/triton_attention.py) KV store and attention over the paged cache. `fused_ops` is the
+    module of fused layer kernels the model uses with this backend (engine/fused_ops.py), or
+    None for plain torch ops."""
+
+    fused_ops: Any
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -41,6 +45,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+    fused_ops: ClassVar[Any] = None  # the CPU path: plain torch ops
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(kv_cache, k, v, self)

@@ -60,6 +60,20 @@ class Attention(nn.Module):
         o = meta.attend(q, kv_cache, self.scale, k, v)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
+    def forward_fused(self, positions, x, kv_cache, meta, ops) -> torch.Tensor:  # [T, hidden]
+        """The GPU path: RoPE and the KV store in one kernel, q/k/v read as views of the qkv
+        matmul's output (no split copies)."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        ops.rope_store(qkv, positions, self.rope.cos, self.rope.sin, kv_cache, meta.slot_mapping,
+                       self.num_heads)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        o = meta.attend(q, kv_cache, self.scale, k, v)  # [T, h, d], contiguous
+        return self.o_proj(o.view(num_tokens, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -84,6 +98,16 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, kv_cache, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, positions, x, residual, kv_cache, meta, ops):
+        """The GPU path, vLLM's layout: takes and returns (sublayer output, residual) so each
+        residual add is fused into the next RMSNorm; five kernels here besides the matmuls and
+        attention. `residual` is None at the first layer (x is the embedding)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn.forward_fused(positions, h, kv_cache, meta, ops)
+        h, residual = ops.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(h))), residual
 
 
 class LlamaModel(nn.Module):
@@ -124,9 +148,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionBatch,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        ops = meta.fused_ops  # engine.fused_ops on the Triton path, None on the SDPA path
+        if ops is None:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(positions, x, kv_cache[:, i], meta)
+            return self.model.norm(x)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, kv_cache[:, i], meta)
-        return self.model.norm(x)
+            x, residual = layer.forward_fused(positions, x, residual, kv_cache[:, i], meta, ops)
+        norm = self.model.norm
+        return ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         if self.packed_head is not None:
