@@ -163,6 +163,7 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
             nbytes = n * lay.bytes_per_block
             times: dict = {"scattered": [], "contiguous": [], "raw_read": [], "raw_write": []}
             seen: dict = {}
+            phases: dict = {"scattered": [], "contiguous": []}  # where a pull's time went (NIXL)
             # Interleaved, so the machine's noise falls on every pattern alike; the first round
             # warms the path up and is dropped.
             for _ in range(repeats_for(n, transport, quick) + 1):
@@ -175,6 +176,7 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                     slots = None if staged_at is None else list(range(staged_at, staged_at + n))
                     stats = await connector.fetch(peer, rid, ids, local, staged_slots=slots)
                     times[pattern].append(stats.seconds)
+                    phases[pattern].append(stats.extra.get("phases_us") or {})
                     seen[pattern] = {"descriptors": stats.num_descriptors, "label": stats.transport_label,
                                      "plan": stats.extra.get("plan", "direct"), "staged_export": slots is not None}
                 if transport == "nixl":
@@ -185,6 +187,9 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                 if series:
                     t = statistics.median(series[1:])
                     row[kind] = {"seconds": t, "GBps": nbytes / t / 1e9, **seen.get(kind, {})}
+                    kept = [p for p in phases.get(kind, [])[1:] if p]
+                    if kept:
+                        row[kind]["phases_us"] = {k: statistics.median(p[k] for p in kept) for k in kept[0]}
             if transport == "nixl":
                 for pattern in ("scattered", "contiguous"):
                     row[pattern]["over_raw_read"] = row[pattern]["GBps"] / row["raw_read"]["GBps"]

@@ -120,7 +120,15 @@ def _check(rc: int, what: str) -> None:
 
 
 def _ids(block_ids, device) -> torch.Tensor:
-    return torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+    """[n] int64 on `device`. A list or CPU array goes to a GPU through (cached) pinned memory,
+    non-blocking on the current stream: a pageable upload synchronises that stream, which held
+    the event loop until the side stream's earlier copies (a TCP unit's D2H) had finished."""
+    if isinstance(block_ids, torch.Tensor) and block_ids.device == device:
+        return block_ids.to(torch.int64)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 # ---- dispatching API ---------------------------------------------------------------------------

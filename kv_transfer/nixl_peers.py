@@ -9,6 +9,7 @@ import binascii
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from kv_transfer.descriptors import block_descriptors
@@ -30,23 +31,6 @@ class NixlParams(BaseModel):
 
 
 @dataclass
-class _Peer:
-    agent_name: str
-    params: NixlParams
-    blocks: object | None = None  # prepared descriptor list of its cache blocks
-    slots: object | None = None  # and of its staging slots
-    label_known: bool = False
-
-    def check_slots(self, staged_slots: list[int], num_blocks: int) -> None:
-        """Staged slots a handle named must lie in the peer's staging region."""
-        limit = self.params.staging_num_blocks
-        if len(staged_slots) != num_blocks:
-            raise ValueError("staged slots and remote blocks differ in length")
-        if staged_slots and (min(staged_slots) < 0 or max(staged_slots) >= limit):
-            raise BlockRangeError(f"staged slots out of the peer's range [0, {limit})")
-
-
-@dataclass
 class NixlPeer:
     agent_name: str
     params: NixlParams
@@ -54,13 +38,19 @@ class NixlPeer:
     slots: object | None = None  # and of its staging slots
     label_known: bool = False
 
-    def check_slots(self, staged_slots: list[int], num_blocks: int) -> None:
-        """Staged slots a handle named must lie in the peer's staging region."""
+    def check_slots(self, staged_slots, num_blocks: int) -> np.ndarray:
+        """Staged slots a handle named must lie in the peer's staging region; returns them as
+        an int32 array (what a prepared READ indexes with)."""
         limit = self.params.staging_num_blocks
         if len(staged_slots) != num_blocks:
             raise ValueError("staged slots and remote blocks differ in length")
-        if staged_slots and (min(staged_slots) < 0 or max(staged_slots) >= limit):
+        try:
+            slots = np.asarray(staged_slots, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise BlockRangeError(f"staged slots out of the peer's range [0, {limit})") from e
+        if slots.ndim != 1 or (slots.size and (slots.min() < 0 or slots.max() >= limit)):
             raise BlockRangeError(f"staged slots out of the peer's range [0, {limit})")
+        return slots.astype(np.int32)
 
 
 class NixlPeers:
