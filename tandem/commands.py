@@ -144,7 +144,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     settings = router_settings(args)
     try:
-        sock = bind(settings.host, settings.port)
+        sock = bind(settings.host, settings.port, settings.send_buffer_bytes)
     except BindError as e:
         print(f"tandem router: {e}", file=sys.stderr)
         return 2

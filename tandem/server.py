@@ -63,14 +63,19 @@ class BindError(OSError):
     """The service's address cannot be bound (in use, or not an address of this host)."""
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
     """The listening socket, bound before anything else starts (Redis, background loops, the
     engine): a service that cannot bind says so and exits non-zero at once. uvicorn binds after
-    the app's startup, and a router whose bind failed there never exited."""
+    the app's startup, and a router whose bind failed there never exited. `send_buffer_bytes`:
+    the kernel send buffer of every connection accepted on it (Linux: inherited from the
+    listener; none: the kernel's autotuning, which lets a client that reads nothing absorb MBs
+    before a write blocks and a write deadline can start counting)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         try:
             sock.bind(addr)
         except OSError:
