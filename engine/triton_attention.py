@@ -1,10 +1,11 @@
 """A step's attention through the Triton kernels (engine/triton_kernels.py): the GPU path.
 
-Every token's K and V go into the cache through the store kernel (slot -1: a padded row, written
-nowhere); decode rows attend with the paged split-KV kernel straight from the cache; prefill
-chunks keep SDPA (engine/attention.py's `prefill_attention`). The decode rows' tensors may be
-views of the CUDA-graph runner's static buffers (engine/input_buffers.py), so nothing here
-depends on a length known on the host.
+The model's layers use this backend's fused kernels (`fused_ops`: engine/fused_ops.py), so every
+token's K and V go into the cache through the RoPE + store kernel (slot -1: a padded row, written
+nowhere); `store` is the plain store kernel for K and V already rotated. Decode rows attend with
+the paged split-KV kernel straight from the cache; prefill chunks keep SDPA (engine/attention.py's
+`prefill_attention`). The decode rows' tensors may be views of the CUDA-graph runner's static
+buffers (engine/input_buffers.py), so nothing here depends on a length known on the host.
 """
 
 from __future__ import annotations
