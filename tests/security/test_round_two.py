@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -279,6 +280,43 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
     finally:
         s.close()
         r.close()
+    quiet(p, d, timeout=60)
+
+
+def _send_queue(port: int) -> list[int]:
+    """Bytes queued in the kernel on each established connection from `port` (ss's Send-Q)."""
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[1]) for line in out.splitlines() if line.strip()]
+
+
+def test_a_client_that_reads_nothing_absorbs_a_bounded_part_of_its_stream(cluster):
+    """Item 3a's cause: a client that stopped reading let the router's kernel buffers absorb
+    MBs of its stream (send-buffer autotuning) before a write blocked, so the write deadline
+    did not start counting. The router's connections now have a 256 KiB send buffer
+    (`--send-buffer-bytes`): what waits in the kernel for such a client stays below twice that
+    (the kernel doubles the figure for its bookkeeping)."""
+    r, p, d = cluster
+    quiet(p, d)
+    body = json.dumps({"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True,
+                       "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", r.port))
+    try:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.recv(1024)
+        most = 0
+        deadline = time.monotonic() + WRITE_TIMEOUT_S + 1
+        while time.monotonic() < deadline:
+            most = max([most, *_send_queue(r.port)])
+            time.sleep(0.1)
+        assert 0 < most <= 2 * (256 << 10), most
+    finally:
+        s.close()
     quiet(p, d, timeout=60)
 
 
