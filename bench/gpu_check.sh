@@ -10,7 +10,8 @@
 # service packages: they are installed from WHEELS_DIR (default .whl, made by `make gpu-wheels`,
 # which also copies SmolLM2's tokenizer into WHEELS_DIR/tokenizer). Runs in about 6 minutes on
 # an H200. SECTIONS (environment) picks sections, e.g. SECTIONS=engine,pd to rerun two;
-# each section has its own time limit and a failed one does not stop the next.
+# each section has its own time limit and a failed one does not stop the next. PYTEST_PATHS
+# narrows the GPU tests (default: tests/engine tests/kv_transfer).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHL=${1:-.whl}
@@ -93,7 +94,7 @@ run transfer 130 "$PY" bench/kv_transfer.py --device cuda --layouts smollm2,llam
   --sizes 1,16,256,4096 --timeout 110 --out "$PARTS/transfer.json"
 
 run pytest 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$PARTS/pytest.xml" tests/engine tests/kv_transfer &
+  --junitxml="$PARTS/pytest.xml" ${PYTEST_PATHS:-tests/engine tests/kv_transfer} &
 PYTEST_PID=$!
 
 run pd 150 "$PY" bench/gpu_pd.py --shape smollm2-1.7b --tokenizer "$TOKENIZER" \
