@@ -6,13 +6,9 @@
     .venv/bin/python bench/kv_transfer.py --device cpu --quick --out /tmp/kv.json   # end to end
 
 Each layout, transport and size (1/16/256/4096 blocks) pulls scattered and contiguous blocks
-through the real `KVConnector` (planner, staged exports, leases; each row names its plan and UCX
-lane) beside, for NIXL, a raw single-descriptor READ and WRITE of the same bytes. With `--device
-cuda` TCP runs from a CUDA and from a CPU cache. No UCX variable needs setting by hand. Each
-combination runs in its own process under the `--timeout` left; what was measured is written.
-
-Goals (issue 30, per layout, in `goals`): NIXL scattered 256 >= 500 GB/s and >= 0.5 of raw READ,
-contiguous >= 0.8 of raw, 1 block <= 50 us; TCP from CUDA >= 0.9 of TCP from CPU at 256, 4096.
+through the real `KVConnector` (each row names its plan, UCX lane and NIXL phases) beside a raw
+one-descriptor READ and WRITE; on `cuda` TCP also runs from a CPU cache. Each combination runs
+in its own process under the `--timeout` left. Goals (issue 30) are in `goals`.
 """
 
 from __future__ import annotations
@@ -187,8 +183,7 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                 if series:
                     t = statistics.median(series[1:])
                     row[kind] = {"seconds": t, "GBps": nbytes / t / 1e9, **seen.get(kind, {})}
-                    kept = [p for p in phases.get(kind, [])[1:] if p]
-                    if kept:
+                    if kept := [p for p in phases.get(kind, [])[1:] if p]:
                         row[kind]["phases_us"] = {k: statistics.median(p[k] for p in kept) for k in kept[0]}
             if transport == "nixl":
                 for pattern in ("scattered", "contiguous"):

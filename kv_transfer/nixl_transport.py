@@ -1,20 +1,16 @@
 """NIXL transport: the whole KV cache (and a bounded staging region beside it) is registered
 once; the receiver READs descriptor lists straight out of the sender's registered memory, then
 notifies the sender with the request id. UCX picks RDMA, cuda_ipc, shared memory (cma) or TCP;
-the settings it needs for VRAM are decided at start (kv_transfer/ucx_config.py) and the label
-names the lane it chose (`ucx:cuda_ipc`, `ucx:cma`, ...).
+its settings for VRAM are decided at start (ucx_config.py); the label names the lane it chose.
 
-How a pull moves its blocks is planned per pull (kv_transfer/pull_plan.py): one descriptor per
-run of blocks (few blocks, CPU caches), or through staging slots (kv_transfer/staging.py): the
-sender gathers an export into its slots when the lease is granted, the receiver READs one range
-into its own slots and scatters them with the CUDA kernel.
-
-A pull's fixed cost: prepared descriptor lists and validated parameters per peer
-(nixl_peers.py), back-to-back polling first, a waiting progress thread (nixl_agent.py).
+A pull is planned (pull_plan.py): one descriptor per run of blocks, or through staging slots
+(staging.py) that the sender gathers an export into and/or the receiver READs into and scatters
+from with the CUDA kernel. Per-peer work (validation, prepared lists) is done once (nixl_peers.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import logging
@@ -25,21 +21,25 @@ import numpy as np
 import torch
 
 from common.background import BackgroundErrors
-from kv_transfer import kernels, ucx_config
+from kv_transfer import kernels, pull_plan, ucx_config
 from kv_transfer.descriptors import block_descriptors, coalesce, descriptor_arrays
 from kv_transfer.layout import BlockRangeError, KVLayout
 from kv_transfer.netdev import ucx_net_devices
-from kv_transfer.nixl_agent import import_nixl, make_agent, nixl_available, wait_xfer  # noqa: F401
+from kv_transfer.nixl_agent import (
+    NOTIF_PREFIX,
+    done_request_ids,
+    finish_xfer,
+    import_nixl,
+    make_agent,
+    nixl_available,  # noqa: F401 - imported from here
+)
 from kv_transfer.nixl_peers import MAX_PREPPED_BLOCKS, NixlPeer, NixlPeers
-from kv_transfer.pull_plan import COSTS, PullPlan, plan_pull, stage_at_export
+from kv_transfer.pull_plan import PullPlan, plan_pull
 from kv_transfer.side_stream import SideStream
 from kv_transfer.staging import StagingPool
 from kv_transfer.transport import PeerMetadata, PullStats, TransferError, TransportConfig
 
 log = logging.getLogger(__name__)
-
-_NOTIF_PREFIX = b"tandem:done:"
-
 
 class NixlTransport:
     name = "nixl"
@@ -57,7 +57,8 @@ class NixlTransport:
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
         self._ucx = ucx_config.UcxEnvironment(os.environ)
-        self.costs = COSTS["cuda" if kv_cache.is_cuda else "cpu"]
+        self.costs = pull_plan.COSTS["cuda" if kv_cache.is_cuda else "cpu"]
+        self.pipeline_part_bytes = pull_plan.PIPELINE_PART_BYTES  # READ parts of a pull into local slots
         self.staging: StagingPool | None = None
         self._side: SideStream | None = None
         self._pull_ids = itertools.count()  # owners of a pull's local staging slots
@@ -138,20 +139,10 @@ class NixlTransport:
     def stage(self, request_id: str, block_ids: list[int]) -> int | None:
         """Gather an export's blocks into staging slots when the plan says it pays; returns the
         first slot (the blocks follow in order) or None (no staging: read where they are)."""
-        if self.staging is None or not stage_at_export(block_ids, self.layout.bytes_per_block,
+        if self.staging is None or not pull_plan.stage_at_export(block_ids, self.layout.bytes_per_block,
                                                        self.costs, self.config.staging):
             return None
-        lease = self.staging.lease(request_id, len(block_ids))
-        if lease is None:
-            return None  # full: this export is read block by block
-        try:
-            with self._side:
-                kernels.gather_blocks(self.kv_cache, block_ids, out=self.staging.view(lease))
-            self._side.synchronize()  # ~50 us for 256 blocks; a READ may come at once
-        except BaseException:
-            self.staging.release(request_id)
-            raise
-        return lease.start
+        return self.staging.stage(request_id, self.kv_cache, block_ids, self._side)
 
     def unstage(self, request_id: str) -> bool:
         return self.staging is not None and self.staging.release(request_id)
@@ -179,19 +170,18 @@ class NixlTransport:
 
     async def pull(self, peer: PeerMetadata, request_id: str, remote_block_ids: list[int],
                    local_block_ids: list[int], staged_slots: list[int] | None = None) -> PullStats:
-        """READ the blocks (as planned), scatter them if they landed in staging slots, then
-        notify the sender. The notification is its own message after the data is here: riding
-        on the READ it made UCX flush the lane first, ~40 us of a 1-block pull's 80 (H200) and
-        ~60 us on CPU. `extra["phases_us"]`: where the time went (prepare, read, scatter, notify)."""
+        """READ the blocks as planned (into local slots in parts, each scattered while later ones
+        are read), then notify the sender: after the READ, not riding on it (UCX flushed the lane
+        first, ~40 us of a 1-block pull's 80 on the H200). `extra["phases_us"]`: prepare, read
+        (with all scatters but the last), scatter (the rest), notify."""
         assert self._agent is not None, "start() first"
         t0 = time.perf_counter()
-        handle = None
+        handles: list = []
         local_lease = None
         marks = [t0]
         try:
             known = self._peer(peer)
-            # One conversion per pull: the planner and the prepared READ take the same arrays
-            # (lists of 4,096 ids cost ~1 ms of Python a pull when converted at each step).
+            # Arrays once, for the planner and the READ (4,096-id lists cost ~1 ms converted twice).
             remote = np.asarray(remote_block_ids, dtype=np.int32)
             local = np.asarray(local_block_ids, dtype=np.int32)
             slots = None if staged_slots is None else known.check_slots(staged_slots, len(remote))
@@ -200,17 +190,30 @@ class NixlTransport:
                 local_lease = self.staging.lease(f"pull:{next(self._pull_ids)}", len(remote))
                 if local_lease is None:  # taken meanwhile
                     plan = plan_pull(remote, local, self.layout.bytes_per_block, self.costs, "never")
-            handle = self._make_read(known, plan, remote, local, slots, local_lease)
+            parts = ([(0, len(remote))] if local_lease is None else
+                     pull_plan.pipeline_parts(len(remote), self.layout.bytes_per_block, self.pipeline_part_bytes))
+            for first, count in parts:
+                end = first + count
+                handles.append(self._make_read(known, plan, remote[first:end], local[first:end],
+                                               None if slots is None else slots[first:end], local_lease, first))
             marks.append(time.perf_counter())
-            await wait_xfer(self._agent, handle, self.config.pull_timeout_s, self.config.poll_interval_s,
-                            f"NIXL read of {len(remote)} blocks from {peer.engine_id}")
+            states = [self._agent.transfer(handle) for handle in handles]  # all posted at once
+            deadline = time.monotonic() + self.config.pull_timeout_s
+            for (first, count), handle, state in zip(parts, handles, states, strict=True):
+                await finish_xfer(self._agent, handle, state, max(deadline - time.monotonic(), 0.0),
+                                  self.config.poll_interval_s,
+                                  f"NIXL read of {len(remote)} blocks from {peer.engine_id}")
+                if local_lease is not None:  # this part has landed: scatter it meanwhile
+                    with self._side:
+                        kernels.scatter_blocks(self.kv_cache, local[first:first + count],
+                                               self.staging.view(local_lease)[first:first + count])
             marks.append(time.perf_counter())
             if local_lease is not None:
-                with self._side:
-                    kernels.scatter_blocks(self.kv_cache, local, self.staging.view(local_lease))
                 await SideStream.wait(self._side.record())
             marks.append(time.perf_counter())
-            self._agent.send_notif(known.agent_name, _NOTIF_PREFIX + request_id.encode())
+            # Blocks here: the notification (it only frees the sender's lease) goes next turn.
+            asyncio.get_running_loop().call_soon(self._notify_done, known.agent_name, peer.engine_id,
+                                                 NOTIF_PREFIX + request_id.encode())
             marks.append(time.perf_counter())
         except (TransferError, BlockRangeError, ValueError):
             self.forget_peer(peer.engine_id)
@@ -219,12 +222,14 @@ class NixlTransport:
             self.forget_peer(peer.engine_id)
             raise TransferError(f"NIXL read from {peer.engine_id} failed: {e}") from e
         finally:
-            if handle is not None:
+            for handle in handles:
                 try:
                     self._agent.release_xfer_handle(handle)
                 except Exception:  # noqa: BLE001 - releasing a failed request may fail too
                     pass
             if local_lease is not None:
+                if len(marks) < 5:  # failed: no scatter may still read the slots given back
+                    self._side.synchronize()
                 self.staging.release(local_lease.owner)
         self._refresh_label(peer.engine_id)
         phases = {name: round((marks[i + 1] - marks[i]) * 1e6, 1)
@@ -239,10 +244,9 @@ class NixlTransport:
         )
 
     def _make_read(self, known: NixlPeer, plan: PullPlan, remote: np.ndarray, local: np.ndarray,
-                   slots: np.ndarray | None, local_lease):
+                   slots: np.ndarray | None, local_lease, offset: int = 0):
         """The READ handle of `plan` (no notification: pull sends it after): indices into
         prepared lists where there are (NIXL merges consecutive rows into one descriptor)."""
-        n = len(remote)
         if known.blocks is None:  # too many blocks to prepare: this pull's own list
             runs = coalesce(remote.tolist(), local.tolist())
             src, dst = descriptor_arrays(self.layout, known.params.base_address, self.kv_cache.data_ptr(),
@@ -253,15 +257,25 @@ class NixlTransport:
         remote_list, remote_idx = (known.slots, slots) if plan.reads_staged_source else (known.blocks, remote)
         if local_lease is not None:
             local_list = self._local_slots
-            local_idx = np.arange(local_lease.start, local_lease.start + n, dtype=np.int32)
+            start = local_lease.start + offset
+            local_idx = np.arange(start, start + len(remote), dtype=np.int32)
         else:
             local_list, local_idx = self._local_blocks, local
         return self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list, remote_idx, b"")
 
+    def _notify_done(self, agent_name: str, engine_id: str, message: bytes) -> None:
+        if self._agent is None:
+            return  # closed meanwhile: the sender's lease expires instead
+        try:
+            self._agent.send_notif(agent_name, message)
+        except Exception as e:  # noqa: BLE001 - the pull has returned; its lease will expire
+            self.errors.record("kv_notifications", f"notification to {engine_id} failed: {e}")
+            self.forget_peer(engine_id)
+
     async def notify(self, peer: PeerMetadata, request_id: str) -> None:
         """Tell the peer its blocks are no longer needed, without reading any."""
         try:
-            self._agent.send_notif(self._peer(peer).agent_name, _NOTIF_PREFIX + request_id.encode())
+            self._agent.send_notif(self._peer(peer).agent_name, NOTIF_PREFIX + request_id.encode())
         except TransferError:
             self.forget_peer(peer.engine_id)
             raise
@@ -282,21 +296,4 @@ class NixlTransport:
                 log.info("nixl: UCX chose %s for remote reads from %s", lane, engine_id)
 
     def completed(self) -> list[str]:
-        if self._agent is None:
-            return []
-        done: list[str] = []
-        for messages in self._agent.get_new_notifs().values():
-            for msg in messages:
-                # Any peer that loaded our metadata can send anything: one bad message is
-                # skipped (and counted), never the end of the lease watcher.
-                if not msg.startswith(_NOTIF_PREFIX):
-                    self.errors.record("kv_notifications", f"unknown notification {msg[:64]!r}")
-                    continue
-                try:
-                    request_id = msg[len(_NOTIF_PREFIX):].decode("ascii")
-                except UnicodeDecodeError:
-                    self.errors.record("kv_notifications", f"undecodable notification {msg[:64]!r}")
-                    continue
-                done.append(request_id)
-        return done
-
+        return [] if self._agent is None else done_request_ids(self._agent.get_new_notifs(), self.errors)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-SPIN_S = 0.02  # poll between single turns of the event loop this long, then sleep between polls
+SPIN_S = 0.005  # poll between single turns of the event loop this long, then sleep between polls
 
 
 class SideStream:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer import kernels
+from kv_transfer.side_stream import SideStream
+
 
 @dataclass(frozen=True)
 class StagingLease:
@@ -85,3 +88,19 @@ class StagingPool:
     def view(self, lease: StagingLease) -> torch.Tensor:
         """The lease's slots: [num_blocks, L, 2, BS, H, D], contiguous."""
         return self.buffer[lease.start: lease.start + lease.num_blocks]
+
+    def stage(self, owner: str, cache: torch.Tensor, block_ids: list[int], side: SideStream) -> int | None:
+        """Lease slots for `owner` and gather `block_ids` of `cache` into them (on `side`, waited
+        for: a READ may come at once); the first slot, or None when no range is free. The slots
+        are given back if the gather fails."""
+        lease = self.lease(owner, len(block_ids))
+        if lease is None:
+            return None  # full: this export is read block by block
+        try:
+            with side:
+                kernels.gather_blocks(cache, block_ids, out=self.view(lease))
+            side.synchronize()  # ~50 us for 256 blocks
+        except BaseException:
+            self.release(owner)
+            raise
+        return lease.start

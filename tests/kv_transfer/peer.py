@@ -72,6 +72,7 @@ async def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--staging", default="auto")
     ap.add_argument("--staging-bytes", type=int, default=512 << 20)
+    ap.add_argument("--pipeline-part-bytes", type=int, default=0, help="nixl: READ parts (0: default)")
     args = ap.parse_args()
     cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size).to(args.device)
     layout = KVLayout.of_cache(cache, args.model_id)
@@ -83,6 +84,8 @@ async def main() -> None:
     connector = KVConnector(cache, layout, config, args.transport, released.append,
                             lease_seconds=args.lease_seconds)
     await connector.start()
+    if args.pipeline_part_bytes:
+        connector.transport.pipeline_part_bytes = args.pipeline_part_bytes
     app = FastAPI()
     app.include_router(metadata_router(connector, args.token))
     port = args.port or free_port(args.host)
@@ -106,7 +109,7 @@ async def main() -> None:
                 return {"error": type(e).__name__, "message": str(e)}
             return {"num_bytes": stats.num_bytes, "seconds": stats.seconds,
                     "num_descriptors": stats.num_descriptors, "label": stats.transport_label,
-                    "plan": stats.extra.get("plan")}
+                    "plan": stats.extra.get("plan"), "phases_us": stats.extra.get("phases_us")}
         if op == "state":
             lt = connector.leases
             staging = getattr(connector.transport, "staging", None)

@@ -28,10 +28,14 @@ def wait_for(pred, timeout=10.0):
     return pred()
 
 
-def pair(device="cpu", sender_staging="always", receiver_staging="always", env=None, **sender_opts):
+def pair(device="cpu", sender_staging="always", receiver_staging="always", env=None, part_blocks=None,
+         **sender_opts):
+    """`part_blocks`: the receiver READs into its staging slots in parts of this many blocks."""
     sender = Peer("nixl", "P", num_blocks=64, seed=1, device=device, staging=sender_staging,
                   env=env, **sender_opts)
-    receiver = Peer("nixl", "D", num_blocks=48, seed=2, device=device, staging=receiver_staging, env=env)
+    parts = {} if part_blocks is None else {"pipeline_part_bytes": part_blocks * BLOCK_BYTES}
+    receiver = Peer("nixl", "D", num_blocks=48, seed=2, device=device, staging=receiver_staging, env=env,
+                    **parts)
     return sender, receiver
 
 
@@ -54,6 +58,7 @@ def pull_all_plans(sender, receiver):
     assert "error" not in stats, stats
     out.append((stats["plan"], stats["label"]))
     assert stats["num_descriptors"] == 1
+    assert set(stats["phases_us"]) == {"prepare", "read", "scatter", "notify"}
     check_moved(receiver, SRC, DST, before)
     # A partial pull of a staged export (the receiver had the first four blocks): slots offset.
     exported = sender.send("export", request_id="part", block_ids=SRC)
@@ -80,8 +85,11 @@ def pull_all_plans(sender, receiver):
     return out
 
 
-def test_every_staged_plan_moves_bit_exact_blocks_and_frees_its_slots():
-    sender, receiver = pair()
+@pytest.mark.parametrize("part_blocks", [None, 3])
+def test_every_staged_plan_moves_bit_exact_blocks_and_frees_its_slots(part_blocks):
+    # In parts of 3 blocks, the 10-block pull is READ as 3 parts posted at once, each scattered
+    # while the next lands (the GPU twin does the same with the CUDA scatter).
+    sender, receiver = pair(part_blocks=part_blocks)
     try:
         plans = pull_all_plans(sender, receiver)
         assert [p for p, _ in plans] == ["staged_both", "staged_both", "staged_local"]
@@ -160,7 +168,7 @@ def test_refused_and_abandoned_pulls_leak_no_staging():
 def test_gpu_vram_pulls_take_cuda_ipc_with_no_host_staging_fallback():
     """Same plans on VRAM caches. UCX_PROTO_EMULATION_ENABLE=n turns a fallback to host staging
     into an error, and the label must name cuda_ipc."""
-    sender, receiver = pair("cuda", env={"UCX_PROTO_EMULATION_ENABLE": "n"})
+    sender, receiver = pair("cuda", env={"UCX_PROTO_EMULATION_ENABLE": "n"}, part_blocks=3)
     try:
         plans = pull_all_plans(sender, receiver)
         assert [p for p, _ in plans] == ["staged_both", "staged_both", "staged_local"]

@@ -7,7 +7,7 @@ import torch
 
 from kv_transfer import ucx_config
 from kv_transfer.descriptors import coalesce, count_runs
-from kv_transfer.pull_plan import COSTS, plan_pull, stage_at_export
+from kv_transfer.pull_plan import COSTS, pipeline_parts, plan_pull, stage_at_export
 from kv_transfer.staging import StagingPool
 
 SMOL_BLOCK = 368_640  # SmolLM2's bytes per block
@@ -152,3 +152,17 @@ def test_lane_is_read_from_the_proto_info_tables(tmp_path):
         f.write("[1.1] [h:1 :0]   | remote memory read by ucp_get*(multi) into cuda memory from cuda |\n"
                 "[1.1] [h:1 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n")
     assert reader.refresh() == "cuda_ipc"  # read incrementally
+
+
+def test_pipeline_parts_split_a_pull_into_whole_block_reads():
+    mib = 1 << 20
+    assert pipeline_parts(256, 368_640, 16 * mib) == [(i, 52) for i in range(0, 208, 52)] + [(208, 48)]
+    assert pipeline_parts(4096, 2 * mib, 16 * mib, max_parts=8) == [(i, 512) for i in range(0, 4096, 512)]
+    assert pipeline_parts(1, 2 * mib, 1) == [(0, 1)]  # never more parts than blocks
+    assert pipeline_parts(10, 100, 16 * mib) == [(0, 10)]  # small: one READ
+    assert pipeline_parts(0, 100) == []
+    for n, parts in ((10, pipeline_parts(10, 100, 300)), (4095, pipeline_parts(4095, 2 * mib))):
+        assert sum(c for _, c in parts) == n and all(f == sum(c for _, c in parts[:i]) for i, (f, _) in
+                                                      enumerate(parts))
+    with pytest.raises(ValueError):
+        pipeline_parts(4, 100, 0)
