@@ -166,12 +166,12 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                 for pattern in ("scattered", "contiguous"):
                     ids = (rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else list(range(n)))
                     local = rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else ids
-                    counter += 1
-                    rid = f"b{counter}"
+                    counter, rid = counter + 1, f"b{counter + 1}"
                     staged_at = sender.export(rid, ids)
                     slots = None if staged_at is None else list(range(staged_at, staged_at + n))
                     stats = await connector.fetch(peer, rid, ids, local, staged_slots=slots)
                     times[pattern].append(stats.seconds)
+                    await asyncio.sleep(0)  # a turn of the loop: the done notification goes out
                     phases[pattern].append(stats.extra.get("phases_us") or {})
                     seen[pattern] = {"descriptors": stats.num_descriptors, "label": stats.transport_label,
                                      "plan": stats.extra.get("plan", "direct"), "staged_export": slots is not None}
