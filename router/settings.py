@@ -81,7 +81,7 @@ class RouterSettings(BaseSettings):
     stream_write_timeout_s: float = Field(30.0, gt=0, description="a streaming client that "
                                           "accepts no data for this long is cut (its slot and "
                                           "worker streams are freed)")
-    send_buffer_bytes: int | None = Field(256 << 10, ge=4096, description="kernel send "
+    send_buffer_bytes: int | None = Field(256 << 10, ge=1, description="kernel send "
                                           "buffer of each client connection: how much of a "
                                           "stream a client that reads nothing absorbs before "
                                           "the write deadline starts (none: the kernel's "

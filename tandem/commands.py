@@ -159,7 +159,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace):
+def _cluster(args: argparse.Namespace, extra_router_args: tuple[str, ...] = ()):
     from tandem.launcher import Cluster
 
     return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
@@ -169,7 +169,8 @@ def _cluster(args: argparse.Namespace):
                    threads=args.threads, namespace=args.namespace,
                    drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
-                   extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [])
+                   extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [],
+                   extra_router_args=list(extra_router_args))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -193,7 +194,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tandem.launcher import chat
 
-    cluster = _cluster(args)
+    # The demo shows where each leg ran: its router names the workers (off by default).
+    cluster = _cluster(args, ("--expose-worker-ids",))
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:

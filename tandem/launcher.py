@@ -57,6 +57,7 @@ class Cluster:
     # None: a fresh random one per cluster, so the internal plane is never open by default.
     internal_token: str | None = None
     extra_worker_args: list[str] = field(default_factory=list)
+    extra_router_args: list[str] = field(default_factory=list)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
     restarts: dict[str, int] = field(default_factory=dict)
@@ -140,7 +141,8 @@ class Cluster:
             _say(f"{name} ready at {url}")
         port = self.port
         router = ["router", "--model", Path(self.model).name, "--cache-dir", str(self.cache_dir),
-                  "--port", str(port), "--drain-timeout-s", str(self.drain_timeout_s)]
+                  "--port", str(port), "--drain-timeout-s", str(self.drain_timeout_s),
+                  *self.extra_router_args]
         if redis_url:
             router += ["--redis-url", redis_url, "--namespace", self.namespace, *cluster_flag]
         else:
