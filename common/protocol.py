@@ -1,4 +1,4 @@
-"""Wire models of the internal worker API (DESIGN.md "Worker <-> router API").
+"""Wire models of the internal worker API (docs/contract.md "Worker <-> router API").
 
 Both sides import these: the router builds the requests, workers validate them, and the engine
 converts `SamplingOptions` into its own `engine.SamplingParams`.

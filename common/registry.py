@@ -1,4 +1,4 @@
-"""The Redis schema (DESIGN.md "Redis schema"): keys and the registration a router reads.
+"""The Redis schema (docs/contract.md "Redis schema"): keys and the registration a router reads.
 
     tandem:{namespace}:worker:{id}             hash: role, url, model, block_size, capacity, load (JSON) ...
     tandem:{namespace}:blocks:{ns#shard}:{id}  set of block hashes (`common.hashing.hash_member`)
@@ -85,7 +85,7 @@ class WorkerLoad(BaseModel):
 
 
 class ProbedModel(BaseModel):
-    """Which model a worker serves (DESIGN.md "Registration per model"): the fields of its
+    """Which model a worker serves (docs/contract.md "Registration per model"): the fields of its
     registration, and what its `/ready` tells a router that lists it statically."""
 
     model_config = ConfigDict(extra="ignore")

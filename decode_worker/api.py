@@ -1,4 +1,4 @@
-"""`POST /generate` (DESIGN.md "Worker <-> router API"): NDJSON, or SSE with
+"""`POST /generate` (docs/contract.md "Worker <-> router API"): NDJSON, or SSE with
 `Accept: text/event-stream`, of `StreamEvent`s."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The decode side of a KV transfer: check a prefill worker's signed handle, then pull the blocks
-this worker lacks through the KV connector (DESIGN.md request path, step 6). Any failure falls
+this worker lacks through the KV connector (docs/contract.md request path, step 6). Any failure falls
 back to local prefill; nothing a peer sends can fail the request."""
 
 from __future__ import annotations

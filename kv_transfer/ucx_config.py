@@ -7,7 +7,7 @@ Each variable is set only where the operator left it unset, and every decision i
 - `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on` when the cache is on a GPU. UCX's `auto` turns cuda_ipc's
   GET zero-copy off on GPUs without an active NVLink, and Tandem pulls with GET (READ): every
   VRAM pull then went through host staging over `tcp/lo`, 0.6 GB/s on an H200 instead of
-  ~1 TB/s (../shared/research/gpu-path.md section 6).
+  ~1 TB/s (measured on an H200 with bench/kv_transfer.py, docs/benchmarks.md).
 - `UCX_PROTO_INFO=y` with `UCX_LOG_FILE` in a private directory, unless the operator pointed UCX
   at a log already (`ucx_proto_log`, or `UCX_LOG_FILE` set by hand): UCX prints the protocol it
   chose for each remote read there, which is how the transport label names the lane actually

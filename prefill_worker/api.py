@@ -1,4 +1,4 @@
-"""`POST /prefill` (DESIGN.md "Worker <-> router API")."""
+"""`POST /prefill` (docs/contract.md "Worker <-> router API")."""
 
 from __future__ import annotations
 

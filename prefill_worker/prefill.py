@@ -1,5 +1,5 @@
 """The prefill role's logic: compute a prompt to its first token, then keep and export its
-blocks under a lease for a decode worker to pull (DESIGN.md request path, step 4)."""
+blocks under a lease for a decode worker to pull (docs/contract.md request path, step 4)."""
 
 from __future__ import annotations
 

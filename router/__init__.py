@@ -1,4 +1,4 @@
 """The OpenAI-compatible gateway with the prefix index and KV-aware routing.
 
-Never imports torch (DESIGN.md); `tests/test_packaging.py` enforces it.
+Never imports torch (docs/contract.md); `tests/test_packaging.py` enforces it.
 """

@@ -1,4 +1,4 @@
-"""How the router talks to one kind of worker (DESIGN.md "Worker <-> router API"): the
+"""How the router talks to one kind of worker (docs/contract.md "Worker <-> router API"): the
 `Backend` Protocol every kind implements, its errors and events, and the HTTP plumbing they
 share. The kinds, by name, are in router/backends.py.
 

@@ -1,4 +1,4 @@
-"""The router's request path (DESIGN.md "Request path", steps 1-3 and 7): validate and tokenize
+"""The router's request path (docs/contract.md "Request path", steps 1-3 and 7): validate and tokenize
 a request, hash its blocks, one index round trip for every live worker's leading match, a plan
 from the policy (`plan_for`, pure: the simulator calls it too), the plan run by the dispatcher.
 Response shaping (JSON, SSE) is in router/responses.py; app.py only wires HTTP to this."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router (DESIGN.md "Observability")."""
+"""Prometheus metrics of the router (docs/contract.md "Observability")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The models this router serves (DESIGN.md "Registration per model"): one tokenizer, chat
+"""The models this router serves (docs/contract.md "Registration per model"): one tokenizer, chat
 template, block hasher and in-process index per served name, and the rule that decides which
 workers may serve a name.
 

@@ -1,6 +1,6 @@
 """Router settings, built once at the edge: CLI flags (generated from these fields by
 tandem/flags.py) over TANDEM_ROUTER_* environment variables over the defaults here. Each field's
-description is its `--help` text and its line in the README's configuration reference."""
+description is its `--help` text and its line in the configuration reference (docs/configuration.md)."""
 
 from __future__ import annotations
 

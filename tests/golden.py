@@ -1,4 +1,4 @@
-"""Golden block-hash vectors (DESIGN.md "Block hashing"). Router-side and worker-side tests both
+"""Golden block-hash vectors (docs/contract.md "Block hashing"). Router-side and worker-side tests both
 assert these; changing them breaks every deployed prefix index, so never edit them to pass."""
 
 SMOLLM2_ID = "smollm2-135m-instruct"

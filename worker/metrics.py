@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker (DESIGN.md "Observability"), on the app's own registry.
+"""Prometheus metrics of a worker (docs/contract.md "Observability"), on the app's own registry.
 
 Request-level series carry `model` (the worker's first served name). The same figures are also
 exported under vLLM's names and label (`vllm:*{model_name}`), so Grafana boards, alerts and

@@ -1,6 +1,6 @@
 """Worker settings, built once at the edge: CLI flags (generated from these fields by
 tandem/flags.py) over TANDEM_* environment variables over the defaults here. Each field's
-description is its `--help` text and its line in the README's configuration reference."""
+description is its `--help` text and its line in the configuration reference (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class WorkerSettings(BaseSettings):
                                 "eagerly (as vLLM's flag); on CPU graphs are never used")
     # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
     # workers, off for prefill and decode ones (measured slower at 1000-token contexts with one
-    # thread each, README "Serving path"); a CUDA worker always steps on a thread.
+    # thread each, docs/architecture.md); a CUDA worker always steps on a thread.
     engine_process: bool | None = Field(None, description="step the engine in its own process "
                                         "beside the API process (CPU only), or on a thread of it; "
                                         "default: a process for colocated, a thread for prefill "

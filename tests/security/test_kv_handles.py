@@ -372,7 +372,7 @@ def listening_addresses(pid: int) -> set[str]:
 
 
 def test_handles_carry_the_signed_fields(pd):
-    """The contract of DESIGN.md: a prefill worker's handle is signed over the fields that say
+    """The contract of docs/contract.md: a prefill worker's handle is signed over the fields that say
     what to pull, from where, into which prompt."""
     p, _ = pd
     pre = p.prefill(f"fields-{uuid.uuid4().hex[:6]}", X, GREEDY)
