@@ -146,6 +146,10 @@ class EngineConfig:
     attention_backend: str | None = None
     # No CUDA graphs: every step eager (vLLM's --enforce-eager). On CPU graphs are never used.
     enforce_eager: bool = False
+    # Overlap the host with the device in steady decode (engine/decode_pipeline.py). None: on
+    # with CUDA graphs (CUDA, triton, not enforce_eager), off otherwise; True: on anywhere (the
+    # CPU tests of the overlapped loop).
+    async_scheduling: bool | None = None
     # "auto": the folder's safetensors; "dummy": random weights drawn on the device, no
     # checkpoint needed (benchmarks of a model shape: engine/shapes.py, bench/engine.py).
     load_format: str = "auto"
@@ -174,6 +178,13 @@ class EngineConfig:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "sdpa"
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether decode steps overlap the host (see `async_scheduling`)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.attention == "triton" and not self.enforce_eager
 
     @property
     def torch_dtype_name(self) -> str:

@@ -91,13 +91,17 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_rows)
         return self.buckets[i] if i < len(self.buckets) and num_rows > 0 else None
 
-    def run(self, step: StepInputs) -> torch.Tensor:  # -> [num_decodes, hidden]
-        """Run a decode-only step through its bucket's graph. The view returned is valid until
-        the next call."""
+    def run(self, step: StepInputs,
+            decode_input_ids: torch.Tensor | None = None) -> torch.Tensor:  # -> [num_decodes, hidden]
+        """Run a decode-only step through its bucket's graph; `decode_input_ids` [num_decodes]
+        (on the device) replace the step's input ids by a device-to-device copy. The view
+        returned is valid until the next call."""
         bucket = self.bucket_for(step.num_decodes)
         if bucket is None:
             raise ValueError(f"no graph holds {step.num_decodes} rows")
         self.buffers.load(step, bucket)
+        if decode_input_ids is not None:
+            self.buffers.input_ids[: step.num_decodes].copy_(decode_input_ids)
         self._replay[bucket]()
         return self.hidden[: step.num_decodes]
 

@@ -49,9 +49,12 @@ class StepInputs:
         return len(self.sample_index) == self.num_tokens
 
 
-def build_step_inputs(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
+def build_step_inputs(batch: list[ScheduledSeq], block_size: int,
+                      pending_ids: bool = False) -> StepInputs:
     """The host arrays of one step. Single-token work (decodes, one-token prefill tails) comes
-    first, as the SDPA path orders it too."""
+    first, as the SDPA path orders it too. `pending_ids`: the decode rows' input ids are still
+    on the device (an overlapped step, engine/decode_pipeline.py): 0 here, the caller copies
+    them in."""
     decodes = [s for s in batch if s.num_new_tokens == 1]
     prefills = [s for s in batch if s.num_new_tokens > 1]
     ids, positions, slots, lens, tables = [], [], [], [], []
@@ -61,7 +64,7 @@ def build_step_inputs(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
         seq = item.seq
         pos = seq.num_computed_tokens
         table = seq.block_table
-        ids.append(seq.token_at(pos))
+        ids.append(0 if pending_ids else seq.token_at(pos))
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
         lens.append(pos + 1)

@@ -55,10 +55,13 @@ class KVCacheManager:
         tokens = [seq.token_at(i) for i in range(have * self.block_size, want * self.block_size)]
         seq.block_hashes.extend(self.hasher(tokens, parent))
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks that became full (all tokens computed) to the prefix cache."""
-        self.update_hashes(seq, seq.num_computed_tokens)
-        n = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Publish the blocks that became full (all tokens computed) to the prefix cache;
+        `num_tokens`: how many are computed, if not `seq.num_computed_tokens` (a step still
+        in flight has advanced it: engine/decode_pipeline.py)."""
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        self.update_hashes(seq, num_tokens)
+        n = min(num_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_published_blocks, n):
             self.pool.cache_block(seq.block_table[i], seq.block_hashes[i])
         seq.num_published_blocks = max(seq.num_published_blocks, n)

@@ -19,6 +19,7 @@ from common.hashing import BlockHasher
 from common.model_identity import model_digest
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
+from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -90,6 +91,7 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}  # prefill-only requests keeping their blocks
         self.importing: dict[str, Sequence] = {}
         self.num_prompt_tokens_computed = 0
+        self.pipeline = DecodePipeline(self) if config.overlaps_steps else None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -229,6 +231,8 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None and self.pipeline.in_flight is not None:
+            return self.pipeline.step()
         out = self.scheduler.schedule()
         if not out:
             return self._unschedulable()
@@ -236,6 +240,8 @@ class LLMEngine:
         for item in out.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
+        if self.pipeline is not None and self.pipeline.qualifies(out):
+            return self.pipeline.start(out)
         logits, rows = self.runner.execute(out.scheduled)
         self._advance(out)
         outputs: list[RequestOutput] = []

@@ -56,10 +56,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, buffers, self.num_sms, capture)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns logits [num_sampling_rows, vocab] and the rows' sequences."""
+    def execute(self, batch: list[ScheduledSeq], decode_input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step; returns logits [num_sampling_rows, vocab] and the rows' sequences.
+
+        `decode_input_ids` [num_decodes] on the device: the decode rows' input ids, sampled by
+        the step before and not yet on the host (engine/decode_pipeline.py); the batch must
+        then be decode-only."""
+        if decode_input_ids is not None and any(s.num_new_tokens != 1 for s in batch):
+            raise ValueError("device input ids need a decode-only batch")
         if self.attention == "triton":
-            return self._execute_triton(batch)
+            return self._execute_triton(batch, decode_input_ids)
+        pending = decode_input_ids is not None
         bs = self.block_size
         # Single-token work (decodes, and one-token prefill tails) shares one padded call.
         decodes = [s for s in batch if s.num_new_tokens == 1]
@@ -75,7 +83,7 @@ class ModelRunner:
             seq = item.seq
             start = seq.num_computed_tokens
             for pos in range(start, start + item.num_new_tokens):
-                input_ids.append(seq.token_at(pos))
+                input_ids.append(0 if pending else seq.token_at(pos))
                 positions.append(pos)
                 slot_blocks.append(seq.block_table[pos // bs])
                 slot_offsets.append(pos % bs)
@@ -119,6 +127,8 @@ class ModelRunner:
             prefills=chunks,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if pending:
+            ids.copy_(decode_input_ids)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, hidden]
         if not sample_index:
@@ -126,13 +136,14 @@ class ModelRunner:
         index = torch.tensor(sample_index, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[index]), sample_rows
 
-    def _execute_triton(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        step = build_step_inputs(batch, self.block_size)
+    def _execute_triton(self, batch: list[ScheduledSeq], decode_input_ids: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        step = build_step_inputs(batch, self.block_size, decode_input_ids is not None)
         if (self.graphs is not None and not step.prefills
                 and self.graphs.bucket_for(step.num_decodes) is not None):
-            hidden = self.graphs.run(step)  # [num_decodes, hidden]
+            hidden = self.graphs.run(step, decode_input_ids)  # [num_decodes, hidden]
         else:
-            hidden = self._eager_triton(step)  # [T, hidden]
+            hidden = self._eager_triton(step, decode_input_ids)  # [T, hidden]
         if not step.sample_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         if not step.samples_every_row:
@@ -140,7 +151,8 @@ class ModelRunner:
             hidden = hidden[index]
         return self.model.compute_logits(hidden), step.sample_rows
 
-    def _eager_triton(self, step: StepInputs) -> torch.Tensor:  # -> [T, hidden]
+    def _eager_triton(self, step: StepInputs,
+                      decode_input_ids: torch.Tensor | None = None) -> torch.Tensor:  # -> [T, hidden]
         from engine.triton_attention import TritonAttentionMetadata
         from engine.triton_kernels import num_kv_splits
 
@@ -149,6 +161,8 @@ class ModelRunner:
             [step.input_ids, step.positions, step.slot_mapping, step.context_lens,
              step.block_tables, *tables], self.device)
         nd = step.num_decodes
+        if decode_input_ids is not None:
+            ids[:nd].copy_(decode_input_ids)
         meta = TritonAttentionMetadata(
             slot_mapping=slots, num_decode_tokens=nd, block_tables=decode_tables,
             context_lens=lens, num_splits=num_kv_splits(nd, self.model.cfg.num_kv_heads, self.num_sms),

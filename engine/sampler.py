@@ -3,9 +3,40 @@ with top-k / top-p / min-p, per-request seeded generators, and top-N logprobs.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.sequence import Logprob, Sequence
+
+
+@dataclass
+class SampledBatch:
+    """A step's picks, launched on the device and copied to the host without a sync (an
+    overlapped decode step reads them after the next step is queued: engine/decode_pipeline.py)."""
+
+    token_ids: torch.Tensor  # [N] int64 on the logits' device (the next step's input ids)
+    host: torch.Tensor  # [N] int64, or [N, 2 + 2 * top_n] float64 with logprobs; pinned on CUDA
+    ready: torch.cuda.Event | None  # recorded after the copy to `host` (CUDA only)
+    logprob_counts: list[int | None]  # each row's params.logprobs
+    top_n: int
+
+    def resolve(self) -> tuple[list[int], list[Logprob | None]]:
+        """The tokens (and logprobs) on the host; waits for this batch's copy alone."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        logprobs: list[Logprob | None] = [None] * len(self.logprob_counts)
+        if self.host.dtype == torch.int64:
+            return self.host.tolist(), logprobs
+        packed, top_n = self.host.tolist(), self.top_n
+        token_ids = [int(row[0]) for row in packed]
+        for i, n in enumerate(self.logprob_counts):
+            if n is not None:
+                row = packed[i]
+                top = [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + top_n : 2 + top_n + n],
+                                                   strict=True)] if n else []
+                logprobs[i] = Logprob(token_ids[i], row[1], top)
+        return token_ids, logprobs
 
 
 class Sampler:
@@ -16,6 +47,11 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]  # logits: [N, vocab] float32
     ) -> tuple[list[int], list[Logprob | None]]:
+        return self.launch(logits, seqs).resolve()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+        """Pick every row's token on the logits' device and start one copy of the picks (with
+        the logprobs, when asked for) to the host; `resolve()` reads them."""
         num_rows = logits.shape[0]
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -34,23 +70,16 @@ class Sampler:
                 tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
             tokens[torch.tensor(rows, device=logits.device)] = self._sample(logits, seqs, rows)
 
-        logprobs: list[Logprob | None] = [None] * num_rows
+        counts = [s.params.logprobs for s in seqs]
         if raw_logprobs is None:
-            return tokens.tolist(), logprobs
+            return _to_host(tokens, tokens, counts, 0)
         top_n = max(s.params.logprobs or 0 for s in seqs)
         columns = [tokens[:, None].double(), raw_logprobs.gather(1, tokens[:, None]).double()]
         if top_n:
             values, ids = raw_logprobs.topk(top_n, dim=-1)  # [N, top_n]
             columns += [ids.double(), values.double()]  # token ids are exact in float64
-        packed = torch.cat(columns, dim=1).tolist()  # [N, 2 + 2 * top_n], one transfer
-        token_ids = [int(row[0]) for row in packed]
-        for i, seq in enumerate(seqs):
-            if want_logprobs[i]:
-                n, row = seq.params.logprobs, packed[i]
-                top = [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + top_n : 2 + top_n + n],
-                                                   strict=True)] if n else []
-                logprobs[i] = Logprob(token_ids[i], row[1], top)
-        return token_ids, logprobs
+        packed = torch.cat(columns, dim=1)  # [N, 2 + 2 * top_n], one transfer
+        return _to_host(tokens, packed, counts, top_n)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """Tokens [len(rows)] of the non-greedy rows, on the logits' device."""
@@ -139,3 +168,14 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return torch.softmax(filtered, dim=-1)
+
+
+def _to_host(tokens: torch.Tensor, values: torch.Tensor, counts: list[int | None],
+             top_n: int) -> SampledBatch:
+    if values.device.type != "cuda":
+        return SampledBatch(tokens, values, None, counts, top_n)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return SampledBatch(tokens, host, ready, counts, top_n)

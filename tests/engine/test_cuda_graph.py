@@ -104,7 +104,7 @@ def test_greedy_through_direct_replay_equals_sdpa_engine(tiny_folder, triton_llm
     calls = []
     graphs = runner.graphs
     original = graphs.run
-    graphs.run = lambda step: calls.append(step.num_decodes) or original(step)
+    graphs.run = lambda step, *ids: calls.append(step.num_decodes) or original(step, *ids)
     got = [o.token_ids for o in triton_llm.generate(prompts, GREEDY)]
     assert got == want
     assert calls and set(calls) == {3}  # every decode step went through the bucket path
