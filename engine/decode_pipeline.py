@@ -50,6 +50,12 @@ class DecodePipeline:
         self.num_overlapped_steps = 0  # steps queued before the previous one was read
         self.num_drains = 0  # overlaps ended by a batch that must run synchronously
 
+    def wait(self) -> None:
+        """Until the step in flight has run on the device. Blocks that a stop freed meanwhile
+        are still written by it: whoever fills blocks off the stream (a KV transfer) waits."""
+        if self.in_flight is not None:
+            self.in_flight.sampled.wait()
+
     def qualifies(self, out: SchedulerOutput) -> bool:
         """Whether a step the scheduler just made may start an overlap."""
         s = self.engine.scheduler

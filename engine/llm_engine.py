@@ -1,6 +1,5 @@
-"""The synchronous engine core: requests in, one batched model step per `step()`, outputs out.
-
-Besides plain generation it offers what the disaggregated workers need:
+"""The engine core: requests in, one batched model step's outputs per `step()` (in steady decode
+on CUDA the next step is already queued: engine/decode_pipeline.py). For the P/D workers:
 - `add_request(..., hold_blocks=True)`: prefill to the first token and keep the prompt's blocks
   (for export) until `release(request_id)`;
 - `add_imported_request` / `finish_import`: allocate blocks that a KV transfer fills, then join
@@ -146,7 +145,8 @@ class LLMEngine:
         Raises `MemoryError` when blocks are short (the caller retries or refuses).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
-        # KV exists for every token but the last output one, which the next step computes.
+        if self.pipeline is not None:
+            self.pipeline.wait()  # a transfer must not race the step in flight's writes
         prefix = self.kv.computed_prefix(seq)
         num_needed = seq.num_tokens - 1 - len(prefix) * self.block_size
         if not self.kv.allocate(seq, num_needed, prefix):
@@ -158,8 +158,8 @@ class LLMEngine:
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        output_token_ids: list[int] | None = None) -> tuple[list[int], int]:
-        """`add_imported_request` for a caller in another thread or process: returns the
-        request's block table (a copy) and how many leading blocks are already here."""
+        """`add_imported_request` for another thread or process: (a copy of the block table,
+        how many leading blocks are already here)."""
         seq, num_local = self.add_imported_request(request_id, prompt_token_ids, params,
                                                    output_token_ids)
         return list(seq.block_table), num_local

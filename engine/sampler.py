@@ -21,10 +21,14 @@ class SampledBatch:
     logprob_counts: list[int | None]  # each row's params.logprobs
     top_n: int
 
-    def resolve(self) -> tuple[list[int], list[Logprob | None]]:
-        """The tokens (and logprobs) on the host; waits for this batch's copy alone."""
+    def wait(self) -> None:
+        """Until the picks are on the host (and the step that made them has run)."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def resolve(self) -> tuple[list[int], list[Logprob | None]]:
+        """The tokens (and logprobs) on the host; waits for this batch's copy alone."""
+        self.wait()
         logprobs: list[Logprob | None] = [None] * len(self.logprob_counts)
         if self.host.dtype == torch.int64:
             return self.host.tolist(), logprobs

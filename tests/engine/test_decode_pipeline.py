@@ -201,3 +201,38 @@ def test_overlap_on_gpu_equals_sync(tiny_folder, triton_kernels):
     assert got == want
     assert engine.runner.graphs is not None and engine.pipeline.num_overlapped_steps > 20
     assert want["final"]["stop"][2] == "stop"
+
+
+def test_an_import_during_overlap_waits_for_the_step_in_flight(tiny_folder):
+    """Blocks a stop frees are still written by the step in flight; an import (filled off the
+    stream) waits for that step, then the overlap hands over to the synchronous loop."""
+    engine = engine_for(tiny_folder, True)
+    ps = prompts(3)
+    for i, p in enumerate(ps[:2]):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    streamed = {}
+    for _ in range(4):
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.pipeline.in_flight is not None
+    waited = []
+    original = engine.pipeline.in_flight.sampled.wait
+    engine.pipeline.in_flight.sampled.wait = lambda: waited.append(1) or original()
+    seq, _ = engine.add_imported_request("imp", ps[2], SamplingParams(temperature=0, max_tokens=4,
+                                                                      ignore_eos=True))
+    assert waited
+    engine.finish_import("imp", success=True)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert set(done) == {"r0", "r1", "imp"} and len(done["imp"]) == 4
+    assert all(streamed[rid] == done[rid] for rid in ("r0", "r1"))
+    reference = engine_for(tiny_folder, False)
+    for i, p in enumerate(ps[:2]):
+        reference.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert {rid: o[0] for rid, o in drive(reference, {})["final"].items()} == {
+        rid: done[rid] for rid in ("r0", "r1")}
+    assert engine.pipeline.num_drains >= 1 and engine.pool.num_free_blocks == engine.num_blocks
