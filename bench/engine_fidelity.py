@@ -1,6 +1,6 @@
 """Fidelity of the GPU path (bench/engine_gpu.py): the logits of decode steps through the Triton
 kernels (eager and graphs) against eager SDPA, teacher-forced on the same tokens, and the first
-greedy tokens of graphs against SDPA.
+greedy tokens of graphs (overlapped steps, engine/decode_pipeline.py, as served) against SDPA.
 """
 
 from __future__ import annotations
@@ -10,10 +10,24 @@ import torch
 BF16_RTOL = 2e-2  # max |diff| over max |ref|: a few bf16 roundings (2^-8 each) apart
 
 
+MODES = ("graphs", "graphs_sync", "eager", "sdpa")
+
+
 def set_mode(llm, mode: str, graphs) -> None:
+    """"graphs": as served on CUDA (graphs, steps overlapping the host); "graphs_sync": graphs,
+    one step at a time; "eager": what enforce_eager runs; "sdpa": the CPU path's attention."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
     runner = llm.engine.runner
-    runner.graphs = graphs if mode == "graphs" else None
+    runner.graphs = graphs if mode.startswith("graphs") else None
     runner.attention = "sdpa" if mode == "sdpa" else "triton"
+    set_overlap(llm.engine, mode == "graphs")
+
+
+def set_overlap(engine, on: bool) -> None:
+    """Overlapped steps on or off; a step still in flight is finished by the next `step()`."""
+    if engine.pipeline is not None:
+        engine.pipeline.enabled = on
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, logits_log: dict | None = None,
@@ -39,6 +53,10 @@ def _run(engine, prompts: list[list[int]], max_tokens: int, logits_log: dict | N
         runner.execute = logged
     if forced is not None:
         engine.sampler = forcing
+    # Logging and forcing hook the synchronous step's calls: no overlap meanwhile.
+    overlap = engine.pipeline is not None and engine.pipeline.enabled
+    if logits_log is not None or forced is not None:
+        set_overlap(engine, False)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -51,6 +69,7 @@ def _run(engine, prompts: list[list[int]], max_tokens: int, logits_log: dict | N
         return done
     finally:
         runner.execute, engine.sampler = execute, sampler
+        set_overlap(engine, overlap)
 
 
 def fidelity(llm, prompts, sizes, graphs) -> dict:

@@ -42,15 +42,23 @@ def goals(shapes: dict) -> list[dict]:
 
 
 def summary(res: dict) -> dict:
-    """One shape's headline figures: per batch and mode decode tok/s, step and replay ms; per
-    mode the batch-64 profile's kernels a step and GPU busy fraction."""
+    """One shape's headline figures: per batch and mode decode tok/s, step and replay ms, steps
+    overlapped; per mode the batch-64 profile's kernels a step and GPU busy fraction. A figure
+    a mode does not have (no graph replay in eager) is left out, never null; a measurement
+    that failed shows as `{mode}.error`."""
     out: dict = {}
-    for mode in ("graphs", "eager"):
-        decode, profile = res.get(mode, {}), res.get(f"profile_{mode}", {})
-        for key, value in decode.items():
-            if key.startswith(("decode_tok_s_b", "step_ms_b", "replay_ms_b")):
-                out[f"{mode}.{key}"] = value
-        for key in ("kernels_per_step", "graph_replay_ms", "gpu_busy", "step_ms"):
-            if profile.get(key) is not None:
-                out[f"{mode}.profile.{key}"] = profile[key]
+    for mode in ("graphs", "graphs_sync", "eager"):
+        for section, prefix in ((mode, mode), (f"profile_{mode}", f"{mode}.profile")):
+            figures = res.get(section)
+            if not isinstance(figures, dict):
+                continue
+            if "error" in figures:
+                out[f"{prefix}.error"] = figures["error"][:200]
+            for key, value in figures.items():
+                if value is not None and key.startswith(_HEADLINE):
+                    out[f"{prefix}.{key}"] = value
     return out
+
+
+_HEADLINE = ("decode_tok_s_b", "step_ms_b", "replay_ms_b", "overlapped_steps", "kernels_per_step",
+             "graph_replay_ms", "gpu_busy", "step_ms")

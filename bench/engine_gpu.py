@@ -8,8 +8,10 @@ time of all kernels and copies over wall time), and fidelity on the first shape
 met or not (bench/engine_goals.py).
 
 Run by bench/engine.py --device cuda (`--device cpu --quick`: the tiny shape, Triton interpreted,
-graphs' functions called directly). One engine per shape serves every mode: "graphs", "eager"
-(its graphs set aside: what enforce_eager runs) and "sdpa" (engine/attention.py, eager).
+graphs' functions called directly). One engine per shape serves every mode: "graphs" (as served:
+decode steps overlapping the host, engine/decode_pipeline.py), "graphs_sync" (graphs, one step at
+a time: the previous passes' loop), "eager" (its graphs set aside: what enforce_eager runs) and
+"sdpa" (engine/attention.py, eager).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from bench.engine_fidelity import fidelity, set_mode
 from bench.engine_goals import goals, summary
+from bench.engine_profile import gpu_busy, overlapped_steps, replay_ms, sync
 
 
 @dataclass(frozen=True)
@@ -59,16 +62,12 @@ def build(shape: str, device: str, sizes: Sizes, workdir: Path):
     config = EngineConfig(model=str(folder), device=device, load_format="dummy",
                           dtype="bfloat16" if device.startswith("cuda") else "float32",
                           num_blocks=sizes.num_blocks, max_num_seqs=max(sizes.batches),
-                          max_model_len=sizes.max_model_len, attention_backend="triton")
+                          max_model_len=sizes.max_model_len, attention_backend="triton",
+                          async_scheduling=True)  # on CPU too: the quick run exercises it
     llm = LLM(config)
     if not device.startswith("cuda"):
         llm.engine.runner.enable_graphs(capture=False)  # on CPU: the functions, called directly
     return llm
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 class Prompts:
@@ -89,10 +88,11 @@ def decode_rates(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
     generate_wall(llm, prompts, sizes, device, max(sizes.batches), 2)  # warm-up: every path's shapes
     for b in sizes.batches:
         walls = [steady_steps(llm, prompts, sizes, device, b, rep) for rep in range(2)]
-        wall = min(w for w, _ in walls)
+        wall = min(w for w, _, _ in walls)
         out[f"decode_tok_s_b{b}"] = round(b * sizes.decode_steps / wall, 1)
         out[f"step_ms_b{b}"] = round(1e3 * wall / sizes.decode_steps, 3)
-        out[f"replay_ms_b{b}"] = walls[0][1]
+        out[f"replay_ms_b{b}"] = walls[0][2]
+        out[f"overlapped_steps_b{b}"] = min(w for _, w, _ in walls)  # of decode_steps timed
         rates = []
         for _ in range(2):
             t1 = generate_wall(llm, prompts, sizes, device, b, sizes.short)
@@ -123,9 +123,11 @@ def generate_wall(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
 
 
 def steady_steps(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
-                 rep: int) -> tuple[float, float | None]:
-    """(wall seconds of `decode_steps` all-decode engine steps at `batch`, the bucket's graph
-    replay in ms or None without graphs). Raises if a step did not add one token to every row."""
+                 rep: int) -> tuple[float, int, float | None]:
+    """(wall seconds of `decode_steps` all-decode engine steps at `batch`, how many of them were
+    queued before the previous one was read, the bucket's graph replay in ms or None without
+    graphs). Raises if a step did not add one token to every row. Overlapped, each call reads
+    a step and leaves the next in flight: one in flight at the start and at the end (synced)."""
     from engine import SamplingParams
 
     engine = llm.engine
@@ -140,6 +142,7 @@ def steady_steps(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
             engine.step()  # the prefill, in chunks
         engine.step()  # one decode step: every row decoding from here on
         before = sum(len(s.output_token_ids) for s in seqs)
+        overlapped = overlapped_steps(engine)
         sync(device)
         t = time.perf_counter()
         for _ in range(steps):
@@ -150,26 +153,10 @@ def steady_steps(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
         if made != batch * steps:
             raise RuntimeError(f"{steps} steps at batch {batch} made {made} tokens, "
                                f"not {batch * steps}")
-        return wall, replay_ms(engine, batch, device)
+        return wall, overlapped_steps(engine) - overlapped, replay_ms(engine, batch, device)
     finally:
         for rid in ids:
             engine.abort_request(rid)
-
-
-def replay_ms(engine, batch: int, device: str, repeats: int = 20) -> float | None:
-    """The model's GPU time alone: the last step's graph replayed (it rewrites the same KV
-    slots with the same values)."""
-    graphs = engine.runner.graphs
-    if not device.startswith("cuda") or graphs is None:
-        return None
-    bucket = graphs.bucket_for(batch)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graphs.replay(bucket)
-    stop.record()
-    stop.synchronize()
-    return round(start.elapsed_time(stop) / repeats, 4)
 
 
 def prefill_rate(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
@@ -187,45 +174,6 @@ def prefill_rate(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
         sync(device)
         best = min(best, time.perf_counter() - t)
     return {f"prefill_tok_s_{num}x{length}": round(num * length / best, 1)}
-
-
-def gpu_busy(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
-    """Device time (union of kernel and copy intervals) over wall time of decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine import SamplingParams
-
-    engine = llm.engine
-    batch, steps = max(sizes.batches), sizes.profile_steps
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i, p in enumerate(prompts.make(batch, sizes.prompt_len)):
-        engine.add_request(f"busy-{i}", p, params)
-    while any(not s.output_token_ids for s in engine.requests.values()):
-        engine.step()  # prefill
-    engine.step()
-    cuda = device.startswith("cuda")
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(device)
-        wall = time.perf_counter() - t
-    graph_ms = replay_ms(engine, batch, device)
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy_us, end = 0.0, float("-inf")
-    for start, stop in spans:  # union of intervals (nothing counted twice)
-        busy_us += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    return {"batch": batch, "steps": steps, "step_ms": round(1e3 * wall / steps, 3),
-            "device_events_per_step": round(len(spans) / steps, 1),
-            "kernels_per_step": round(len(kernels) / steps, 1), "graph_replay_ms": graph_ms,
-            "gpu_busy": round(busy_us / (wall * 1e6), 4) if cuda else None}
 
 
 def bench_shape(shape: str, device: str, sizes: Sizes, workdir: Path, with_fidelity: bool,
@@ -252,10 +200,10 @@ def bench_shape(shape: str, device: str, sizes: Sizes, workdir: Path, with_fidel
     res |= {"build_and_capture_s": round(time.perf_counter() - t, 2), "graph_buckets": graphs.buckets}
     report(shape, res)
     prompts = Prompts(SHAPES[shape]["vocab_size"])
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "graphs_sync", "eager"):
         measure(mode, lambda: decode_rates(llm, prompts, sizes, device), mode)
     measure("prefill", lambda: prefill_rate(llm, prompts, sizes, device), "graphs")
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "graphs_sync", "eager"):
         measure(f"profile_{mode}", lambda: gpu_busy(llm, prompts, sizes, device), mode)
     if with_fidelity:
         measure("fidelity", lambda: fidelity(llm, prompts, sizes, graphs))

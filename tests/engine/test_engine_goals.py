@@ -31,3 +31,18 @@ def test_summary_takes_each_modes_headline_figures():
     assert got == {"graphs.decode_tok_s_b1": 600.0, "graphs.step_ms_b1": 1.6,
                    "graphs.replay_ms_b1": 1.2, "graphs.profile.kernels_per_step": 243.0,
                    "graphs.profile.gpu_busy": 0.9}
+
+
+def test_summary_leaves_out_missing_figures_and_shows_errors():
+    res = {"graphs": {"decode_tok_s_b64": 21000.0, "overlapped_steps_b64": 32, "replay_ms_b64": 2.7},
+           "graphs_sync": {"decode_tok_s_b64": 19000.0, "overlapped_steps_b64": 0},
+           "eager": {"decode_tok_s_b64": 8000.0, "replay_ms_b64": None},
+           "profile_graphs": {"gpu_busy": 0.93, "overlapped_steps": 16, "steps": 16},
+           "profile_eager": {"error": "RuntimeError('boom')", "seconds": 0.1}}
+    got = summary(res)
+    assert got == {"graphs.decode_tok_s_b64": 21000.0, "graphs.overlapped_steps_b64": 32,
+                   "graphs.replay_ms_b64": 2.7, "graphs_sync.decode_tok_s_b64": 19000.0,
+                   "graphs_sync.overlapped_steps_b64": 0, "eager.decode_tok_s_b64": 8000.0,
+                   "graphs.profile.gpu_busy": 0.93, "graphs.profile.overlapped_steps": 16,
+                   "eager.profile.error": "RuntimeError('boom')"}
+    assert None not in got.values()
