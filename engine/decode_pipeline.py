@@ -110,9 +110,11 @@ class DecodePipeline:
                 or len(continuing) > s.max_num_batched_tokens):
             return []
         alive = [seq for seq in continuing if not self._stops_for_length(seq)]
+        bs = e.block_size
         for seq in alive:
-            # Its in-flight token is counted in num_computed_tokens already: room for the next.
-            if not e.kv.allocate(seq, 1):
+            # Its in-flight token is counted in num_computed_tokens already: room for the next,
+            # a new block when the next position starts one.
+            if seq.num_computed_tokens >= len(seq.block_table) * bs and not e.kv.allocate(seq, 1):
                 return []  # short of blocks: the scheduler preempts, synchronously
         return alive
 
