@@ -9,9 +9,9 @@ lookup (one refused only for time, which a busy machine can cause, is checked ag
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import OrderedDict
 
-import orjson
 from pydantic import ValidationError
 
 from common.errors import APIError
@@ -93,5 +93,7 @@ def _spec_key(body, param: str) -> bytes:
     """The request's constraint as sent (the tools too, which constrain a chat's output)."""
     fields = {param: getattr(body, param, None), "tools": getattr(body, "tools", None),
               "tool_choice": getattr(body, "tool_choice", None)}
-    return orjson.dumps(fields, default=lambda v: v.model_dump(mode="json")
-                        if hasattr(v, "model_dump") else str(v), option=orjson.OPT_SORT_KEYS)
+    # json, not orjson: a client's strings may hold lone surrogates, which orjson refuses (a 500
+    # before this); ensure_ascii escapes them, and the key only has to be deterministic.
+    return json.dumps(fields, default=lambda v: v.model_dump(mode="json")
+                      if hasattr(v, "model_dump") else str(v), sort_keys=True).encode()

@@ -83,6 +83,20 @@ def test_flags_win_and_environment_fills_the_rest(monkeypatch):
 SAMPLES = {int: "3", float: "2.5", str: "value", Path: "/tmp/x", list: "http://127.0.0.1:1"}
 
 
+def _sample(field, kind) -> str:
+    """SAMPLES[kind], raised to the field's lower bound where it has one (a socket buffer of
+    at least 4096 bytes, say)."""
+    value = SAMPLES[kind]
+    if kind in (int, float):
+        for bound in field.metadata:
+            low = getattr(bound, "ge", None)
+            if low is None and getattr(bound, "gt", None) is not None:
+                low = bound.gt + 1
+            if low is not None and float(value) < low:
+                value = str(int(low) if kind is int else float(low))
+    return value
+
+
 @pytest.mark.parametrize("command,cls_name", [("router", "RouterSettings"), ("decode", "WorkerSettings")])
 def test_every_setting_is_a_flag(command, cls_name):
     """Each field of the settings class has a --name-with-dashes flag whose value reaches the
@@ -98,7 +112,7 @@ def test_every_setting_is_a_flag(command, cls_name):
         if name == "role":
             continue  # the subcommand
         kind, choices = flag_type(field.annotation)
-        argv = [command, flag_name(name)] + ([] if kind is bool else [choices[0] if choices else SAMPLES[kind]])
+        argv = [command, flag_name(name)] + ([] if kind is bool else [choices[0] if choices else _sample(field, kind)])
         got = given(parser.parse_args(argv), cls)
         assert list(got) == [name]
         settings = cls(**got)

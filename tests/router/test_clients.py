@@ -136,3 +136,17 @@ def test_a_client_past_its_burst_waits_its_turn_at_the_rate_then_gets_429(monkey
         assert len(slept) == 2
 
     asyncio.run(go())
+
+
+def test_a_constraint_key_survives_lone_surrogates():
+    """A client's JSON may carry lone surrogates (\\ud8ad): the refused-constraint cache key must
+    still be made (orjson refused them: a 500 found by the schema fuzzer)."""
+    from router.choices import _spec_key
+
+    class Body:
+        guided_json = {"M\ud8ad\udca6": True, "k": ["\uda06"]}
+        tools = None
+        tool_choice = None
+
+    key = _spec_key(Body(), "guided_json")
+    assert key == _spec_key(Body(), "guided_json") and b"\\ud8ad" in key
