@@ -2,10 +2,6 @@
 (engine/model.py's RMSNorm and MLP, engine/rope.py, engine/attention.py's write_kv): under
 TRITON_INTERPRET=1 on CPU, compiled on a GPU; and built ahead of time for sm_90 here."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +11,7 @@ from engine.attention import AttentionMetadata, write_kv
 from engine.config import ModelConfig
 from engine.model import RMSNorm
 from engine.rope import RotaryEmbedding
+from tests.engine.sm90 import register_use
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -128,15 +125,13 @@ def test_bad_shapes_are_refused(fused):
         fused.silu_mul(torch.zeros(2, 7))
 
 
-_AOT = """
-import json, os, subprocess, sys
+_SPECS = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import engine.fused_ops as K
 
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-report = {}
+SPECS = []
+types = {"positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+         "eps": "fp32"}
 for shape, (hidden, inter, heads, kv_heads, dim) in {"smollm2": (2048, 8192, 32, 32, 64),
                                                      "llama3": (4096, 14336, 32, 8, 128)}.items():
     block = triton.next_power_of_2(hidden)
@@ -149,33 +144,14 @@ for shape, (hidden, inter, heads, kv_heads, dim) in {"smollm2": (2048, 8192, 32,
                        HEAD_DIM=dim, HALF=dim // 2, BLOCK_HALF=dim // 2, PAGE_SIZE=16), 1),
         "silu_mul": (K._silu_mul_kernel, dict(BLOCK=1024), 4),
     }
-    types = {"positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-             "eps": "fp32"}
-    for name, (fn, consts, warps) in kernels.items():
-        sig = {a: "constexpr" if a in consts else types.get(a, "*bf16" if a.endswith("_ptr")
-               else "i32") for a in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
-        path = f"{sys.argv[1]}/{shape}-{name}.cubin"
-        open(path, "wb").write(compiled.asm["cubin"])
-        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", path],
-                               capture_output=True, text=True, check=True).stdout
-        line = next(x for x in usage.splitlines() if "REG:" in x)
-        report[f"{shape}-{name}"] = {k: int(v) for k, v in
-                                     (f.split(":") for f in line.split()[:2])}
-print(json.dumps(report))
+    SPECS += [(f"{shape}-{name}", fn, consts, warps, types, {})
+              for name, (fn, consts, warps) in kernels.items()]
 """
 
 
 def test_fused_kernels_build_for_sm90_without_spills(fused, tmp_path):
     """The bf16 kernels of both benchmark shapes, compiled for an H200 by Triton's own ptxas."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, "-c", _AOT, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = register_use(_SPECS, tmp_path)
     assert len(report) == 8
     for name, usage in report.items():
         assert usage["STACK"] == 0, f"{name} spills: {usage}"

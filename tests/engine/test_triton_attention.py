@@ -3,15 +3,12 @@ tiny shapes: under TRITON_INTERPRET=1 on CPU (float32), compiled on a GPU (float
 Without a GPU the kernels are also compiled ahead of time for sm_90 (Triton ships ptxas), so a
 kernel that would not build or would spill registers on the H200 fails here first."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from tests.engine.sm90 import register_use
 
 BLOCK_SIZE = 4
 
@@ -141,15 +138,14 @@ def test_split_count_fills_the_gpu_and_stays_bounded(triton_kernels):
     assert triton_kernels.num_kv_splits(0, 8, 4) >= 1
 
 
-_AOT = """
-import json, os, subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SPECS = """
 import engine.triton_kernels as K
 
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-report = {}
+SPECS = []
+types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+         "out_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+         "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "slot_ptr": "*i64",
+         "scale_log2": "fp32"}
 for shape, (heads, kv_heads, dim) in {"smollm2": (32, 32, 64), "llama3": (32, 8, 128)}.items():
     group = heads // kv_heads
     block_d = max(16, dim)
@@ -163,34 +159,14 @@ for shape, (heads, kv_heads, dim) in {"smollm2": (32, 32, 64), "llama3": (32, 8,
         "store": (K._store_kv_kernel, dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=dim,
                   BLOCK_H=kv_heads, BLOCK_D=dim, PAGE_SIZE=16), 4),
     }
-    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-             "out_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
-             "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "slot_ptr": "*i64",
-             "scale_log2": "fp32"}
-    for name, (fn, consts, warps) in kernels.items():
-        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": 1})
-        path = f"{sys.argv[1]}/{shape}-{name}.cubin"
-        open(path, "wb").write(compiled.asm["cubin"])
-        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", path],
-                               capture_output=True, text=True, check=True).stdout
-        line = next(x for x in usage.splitlines() if "REG:" in x)
-        report[f"{shape}-{name}"] = {k: int(v) for k, v in
-                                     (f.split(":") for f in line.split()[:2])}
-print(json.dumps(report))
+    SPECS += [(f"{shape}-{name}", fn, consts, warps, types, {"num_stages": 1})
+              for name, (fn, consts, warps) in kernels.items()]
 """
 
 
 def test_kernels_build_for_sm90_without_spills(triton_kernels, tmp_path):
     """The bf16 kernels of both benchmark shapes, compiled for an H200 by Triton's own ptxas."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, "-c", _AOT, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = register_use(_SPECS, tmp_path)
     assert len(report) == 6
     for name, usage in report.items():
         assert usage["STACK"] == 0, f"{name} spills: {usage}"
