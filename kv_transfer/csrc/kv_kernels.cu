@@ -224,13 +224,28 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The largest of every thread's `v` in the CTA (blockDim.x <= 1024), in every thread: each
+// warp's maximum, then the first warp's over those.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float warp_max_of[32];
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) warp_max_of[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_max_of[threadIdx.x] : 0.f;
+    m = warp_max(m);
+    if (threadIdx.x == 0) warp_max_of[0] = m;
+  }
+  __syncthreads();
+  return warp_max_of[0];
+}
+
 // One CTA per run: up to R vectors per thread stay in registers between the amax and the
 // quantization (longer runs re-read the rest, from L2).
 template <typename T, int R>
 __global__ void fp8_pack_cta_kernel(const T* __restrict__ src, uint8_t* __restrict__ q,
                                     float* __restrict__ scales, int64_t run_elems) {
   using V = Vec<T>;
-  __shared__ float warp_amax[32];
   const int64_t run = blockIdx.x;
   const int64_t nvec = run_elems / V::kElems;
   const int4* s = reinterpret_cast<const int4*>(src + run * run_elems);
@@ -244,16 +259,7 @@ __global__ void fp8_pack_cta_kernel(const T* __restrict__ src, uint8_t* __restri
   }
   for (int64_t i = threadIdx.x + (int64_t)R * blockDim.x; i < nvec; i += blockDim.x)
     amax = fmaxf(amax, V::amax(s[i]));
-  amax = warp_max(amax);
-  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_amax[threadIdx.x] : 0.f;
-    m = warp_max(m);
-    if (threadIdx.x == 0) warp_amax[0] = m;
-  }
-  __syncthreads();
-  const float scale = fp8_scale(warp_amax[0]);
+  const float scale = fp8_scale(block_max(amax));
   const float inv = __frcp_rn(scale);
   if (threadIdx.x == 0) scales[run] = scale;
 #pragma unroll
@@ -299,21 +305,11 @@ __global__ void __launch_bounds__(kThreads, 2) fp8_pack_warp_kernel(const T* __r
 // Any size or alignment: one CTA per run, scalar loads.
 template <typename T>
 __global__ void fp8_pack_scalar_kernel(const T* src, uint8_t* q, float* scales, int64_t run_elems) {
-  __shared__ float warp_amax[32];
   const int64_t run = blockIdx.x;
   const T* s = src + run * run_elems;
   float amax = 0.f;
   for (int64_t i = threadIdx.x; i < run_elems; i += blockDim.x) amax = fmaxf(amax, fabsf(to_float(s[i])));
-  amax = warp_max(amax);
-  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float m = threadIdx.x < (blockDim.x + 31) / 32 ? warp_amax[threadIdx.x] : 0.f;
-    m = warp_max(m);
-    if (threadIdx.x == 0) warp_amax[0] = m;
-  }
-  __syncthreads();
-  const float scale = fp8_scale(warp_amax[0]);
+  const float scale = fp8_scale(block_max(amax));
   const float inv = __frcp_rn(scale);
   if (threadIdx.x == 0) scales[run] = scale;
   for (int64_t i = threadIdx.x; i < run_elems; i += blockDim.x)
