@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from tests.kv_transfer.peer import PREFIX
@@ -74,3 +75,14 @@ class Peer:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def wait_for(pred, timeout=10.0):
+    """`pred()`'s first truthy value within `timeout`, else its last value (the caller asserts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    return pred()

@@ -4,28 +4,17 @@ lane label is read without any environment set by hand. The CPU tests run the sa
 as on a GPU (the torch reference gather/scatter instead of the kernels); the `gpu` tests are
 their VRAM twins and fail if UCX falls back to host staging."""
 
-import time
 
 import pytest
 
 from kv_transfer.nixl_transport import nixl_available
 from tests.kv_transfer.peer import SHAPE, block_digests, make_cache
-from tests.kv_transfer.peers import Peer
+from tests.kv_transfer.peers import Peer, wait_for
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 is not installed")]
 BLOCK_BYTES = SHAPE["num_layers"] * 2 * SHAPE["block_size"] * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
 SRC = [5, 40, 7, 30, 2, 63, 11, 12, 13, 50]  # scattered, one run of three
 DST = [10, 3, 12, 0, 47, 20, 33, 34, 35, 1]
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    return pred()
 
 
 def pair(device="cpu", sender_staging="always", receiver_staging="always", env=None, part_blocks=None,

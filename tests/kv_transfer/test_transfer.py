@@ -7,7 +7,7 @@ import pytest
 
 from kv_transfer.nixl_transport import nixl_available
 from tests.kv_transfer.peer import block_digests, make_cache
-from tests.kv_transfer.peers import Peer
+from tests.kv_transfer.peers import Peer, wait_for
 
 TRANSPORTS = [
     pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
@@ -30,16 +30,6 @@ def pair(transport):
     yield sender, receiver
     sender.close()
     receiver.close()
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    return pred()
 
 
 def test_blocks_move_bit_exact_and_sender_frees_on_notification(pair):

@@ -20,19 +20,13 @@ import pytest
 
 from engine import SamplingParams
 from tandem.cluster import RedisServer, Router, Worker, series_sum
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 
 NUM_REQUESTS = 80
 MAX_TOKENS = 48  # long enough that a fault lands mid-stream
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_faults_under_load_lose_and_repeat_no_token(tiny_folder, tmp_path, reference):

@@ -20,6 +20,7 @@ import yaml
 
 from common.registry import RedisKeys, registration_signature
 from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
+from tests.polling import wait_for
 from tests.security.fakes import FakePeer
 
 pytestmark = pytest.mark.redis
@@ -30,16 +31,6 @@ MODEL = "tiny-random"
 def complete(r: Router, headers: dict | None = None, **body) -> httpx.Response:
     return r.client.post("/v1/completions", headers=headers or {},
                          json={"model": MODEL, "prompt": "hello there", "max_tokens": 4, **body})
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ready_workers(r: Router) -> dict:

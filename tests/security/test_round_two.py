@@ -21,6 +21,7 @@ import redis
 from common.block_events import MAX_HASHES_PER_ENTRY
 from common.registry import EVENT_SHARDS, RedisKeys
 from tandem.cluster import REDIS_URL, Router, Worker, series_sum
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -195,22 +196,33 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(cluster):
     assert inflight(r) == 0
 
 
+def _unread_stream(port: int, max_tokens: int, n: int = 8) -> socket.socket:
+    """A streaming chat request for `n` choices with 20 top logprobs each, sent on a socket with
+    a 4 KiB receive buffer; the first bytes of the stream are read, then nothing more."""
+    body = json.dumps({"model": MODEL, "n": n, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.recv(1024)  # the stream started; then never read again
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def test_a_streaming_client_that_stops_reading_is_cut_and_frees_its_slot(cluster):
     """Items 3a and 3b: a streaming client that stopped reading kept its admission slot for
     330 s, and the router buffered every choice's frames (18 MB for one request)."""
     r, p, d = cluster
     quiet(p, d)
-    body = json.dumps({"model": MODEL, "n": 8, "max_tokens": 1800, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", r.port))
+    s = _unread_stream(r.port, max_tokens=1800)
     try:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
-        s.recv(1024)  # the stream started; then never read again
         deadline = time.monotonic() + 60
         while inflight(r) != 0 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -243,10 +255,7 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
     r = Router(tiny_folder, cluster[0].namespace, cache_dir=tmp_path,
                extra=["--stream-write-timeout-s", "600"])
     n, max_tokens = 8, 1500
-    body = json.dumps({"model": MODEL, "n": n, "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    s = socket.socket()
+    s = None
     try:
         r.wait_workers(2)
         for _ in range(3):  # warm: the router's own allocations for such a request are made
@@ -254,12 +263,7 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
                 "model": MODEL, "n": 2, "max_tokens": 16, "logprobs": True, "top_logprobs": 20,
                 "stream": True, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
         before = _rss_bytes(r.proc.pid)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", r.port))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
-        s.recv(1024)  # the stream started; then never read again
+        s = _unread_stream(r.port, max_tokens=max_tokens, n=n)
         start = generated(p, d)
         deadline = time.monotonic() + 120
         last = -1.0
@@ -278,7 +282,8 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
         print(f"produced {produced:.0f} tokens (~{would_buffer / 1e6:.1f} MB of frames); "
               f"router grew {grown / 1e6:.1f} MB")
     finally:
-        s.close()
+        if s is not None:
+            s.close()
         r.close()
     quiet(p, d, timeout=60)
 
@@ -298,17 +303,8 @@ def test_a_client_that_reads_nothing_absorbs_a_bounded_part_of_its_stream(cluste
     (the kernel doubles the figure for its bookkeeping)."""
     r, p, d = cluster
     quiet(p, d)
-    body = json.dumps({"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", r.port))
+    s = _unread_stream(r.port, max_tokens=1500)
     try:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
-        s.recv(1024)
         most = 0
         deadline = time.monotonic() + WRITE_TIMEOUT_S + 1
         while time.monotonic() < deadline:
@@ -399,16 +395,6 @@ def discovery_errors(r: Router) -> float:
 
 def feed_errors(r: Router) -> float:
     return r.metrics().get('tandem_background_errors_total{task="index_feed"}', 0.0)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
