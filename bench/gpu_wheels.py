@@ -12,7 +12,6 @@ is never committed (`.whl/` is ignored); `bench/gpu_check.sh` installs from it.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,8 +26,6 @@ PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x8
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
              "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64")
 NIXL_VERSION = "1.5.1"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -60,17 +57,13 @@ def slim(wheel: Path, drop_prefix: str) -> Path:
     return wheel
 
 
-def copy_tokenizer(folder: Path | None, dest: Path) -> None:
-    """SmolLM2's tokenizer and chat template (3.5 MB): the GPU check's random-weight models of
-    SmolLM2's shapes speak it."""
-    if folder is None:
-        from engine.model_store import prepare_smollm2
+def smollm2_tokenizer(folder: Path | None, dest: Path) -> None:
+    """SmolLM2's tokenizer and chat template (3.5 MB) into `dest`: the GPU check's random-weight
+    models of SmolLM2's shapes speak it."""
+    from engine.model_store import prepare_smollm2
+    from engine.tiny import copy_tokenizer
 
-        folder = prepare_smollm2()
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            shutil.copy(folder / name, dest / name)
+    copy_tokenizer(folder or prepare_smollm2(), dest)
 
 
 def main() -> int:
@@ -88,7 +81,7 @@ def main() -> int:
     ep_prefix = args.nixl.replace("-", "_").replace("nixl_", "nixl_ep_")
     for wheel in dest.glob(f"{args.nixl.replace('-', '_')}-*.whl"):
         slim(wheel, ep_prefix)
-    copy_tokenizer(Path(args.tokenizer_from) if args.tokenizer_from else None, dest / "tokenizer")
+    smollm2_tokenizer(Path(args.tokenizer_from) if args.tokenizer_from else None, dest / "tokenizer")
     total = sum(p.stat().st_size for p in dest.glob("*.whl"))
     for p in sorted(dest.glob("*.whl")):
         print(f"{p.stat().st_size / 2**20:7.1f} MiB  {p.name}")

@@ -10,6 +10,8 @@ import uuid
 from pathlib import Path
 
 TINY_ID = "tiny-random"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -107,10 +109,15 @@ def _write(out: Path, seed: int, config: dict | None, device: str, dtype: str,
     if tokenizer_from is None:
         write_tokenizer(out)
         return
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json"):
-        if (Path(tokenizer_from) / name).is_file():
-            shutil.copy(Path(tokenizer_from) / name, out / name)
+    copy_tokenizer(Path(tokenizer_from), out)
+
+
+def copy_tokenizer(src: Path, dest: Path) -> None:
+    """`src`'s tokenizer and chat template files (those it has), copied into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dest / name)
 
 
 def write_tokenizer(out: Path) -> None:
