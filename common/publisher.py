@@ -85,6 +85,13 @@ class WorkerPublisher:
                 self._pending.clear()
                 self._resync = True
 
+    def resync(self) -> None:
+        """Owe a full rewrite: the set is rebuilt from `snapshot()` under a new epoch, so every
+        reader re-reads it (a vLLM worker restarted, or its event history was lost)."""
+        with self._lock:
+            self._pending.clear()
+            self._resync = True
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"redis-publisher-{self.worker_id}")
 

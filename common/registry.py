@@ -110,6 +110,9 @@ class WorkerRegistration(ProbedModel):
     well-formedness: an entry that fails this model is skipped (and counted), never fatal."""
 
     role: Literal["prefill", "decode", "colocated"]
+    # Who answers at `url`: a Tandem worker, or a stock vLLM server whose blocks a
+    # `tandem vllm-bridge` publishes (vllm_bridge/); router/backends.py names the protocols.
+    backend: Literal["tandem", "vllm"] = "tandem"
     url: str = Field(max_length=512, pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?$")
     started_at: float = Field(0.0, ge=0, le=1e11)
     block_size: int = Field(16, ge=1, le=1 << 16)
