@@ -35,6 +35,7 @@ from router.openai_format import text_chars
 from router.openai_models import ChatCompletionRequest
 from router.policy import NoWorkers, Plan, Policy, RouteContext, make_policy
 from router.settings import RouterSettings
+from router.speculative import SpeculativeIndex
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
@@ -79,6 +80,9 @@ class Gateway:
         self.keys = RedisKeys(settings.namespace)
         self.draining = False
         self.choices = Choices(settings.max_tokens_default)  # every choice's options, checked
+        # Bridged vLLM workers report a prompt's blocks only after its prefill step: until then
+        # this router's own recent decisions stand in (router/speculative.py).
+        self.recent = SpeculativeIndex(settings.speculative_ttl_s)
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> Gateway:
@@ -122,6 +126,7 @@ class Gateway:
             timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s)
             backends = {name: cls(http, tokens[name], s.model or "", timeouts)
                         for name, cls in BACKENDS.items()}
+            backends["vllm"].report_full_prefix = s.vllm_report_full_prefix
             if self.dispatcher is None:
                 self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
                                              s.retry_backoff_s)
@@ -164,8 +169,11 @@ class Gateway:
         t0 = time.perf_counter()
         live = self.directory.live(model=model.name)
         hashes = model.hasher(prompt) if live and model.hasher else []
-        ids = [w.worker_id for w in live if w.backend == "tandem"]
-        approx_ids = [w.worker_id for w in live if w.backend != "tandem"]
+        # Exact: what workers publish (Tandem workers, and vLLM workers a `tandem vllm-bridge`
+        # registered). Approximate: static vLLM workers, which publish nothing.
+        ids = [w.worker_id for w in live if _published(w)]
+        approx_ids = [w.worker_id for w in live if not _published(w)]
+        bridged = [w.worker_id for w in live if _published(w) and w.backend != "tandem"]
         index = self.index or model.memory_index
         try:
             matches = await index.match(hashes, ids) if ids else {}
@@ -178,6 +186,9 @@ class Gateway:
             matches = dict.fromkeys(ids, 0)
         if approx_ids:
             matches.update(await model.approx_index.match(hashes, approx_ids))
+        if bridged:
+            for wid, n in self.recent.match(hashes, bridged).items():
+                matches[wid] = max(matches.get(wid, 0), n)
         try:
             plan = plan_for(self.policy, len(prompt), matches, live, len(hashes), model.block_size)
         except NoWorkers as e:
@@ -185,7 +196,13 @@ class Gateway:
                            headers={"Retry-After": "1"}) from e
         # Both legs end up holding the prompt's blocks (the decode side after its pull).
         for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
-            (index if w.backend == "tandem" else model.approx_index).record(w.worker_id, hashes)
+            if w.backend == "tandem":
+                index.record(w.worker_id, hashes)
+            elif _published(w):
+                self.recent.forget(self.directory.workers)
+                self.recent.record(w.worker_id, hashes)
+            else:
+                model.approx_index.record(w.worker_id, hashes)
         self.metrics.route.labels(plan.kind, model.name).inc()
         self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
         return plan
@@ -268,6 +285,12 @@ class Gateway:
             m.retries.labels("prefill", model).inc(trace.retries)
         if trace.resumed:
             m.retries.labels("resume", model).inc(trace.resumed)
+
+
+def _published(w: WorkerInfo) -> bool:
+    """Whether a worker's cache is in the published (exact) index: every Tandem worker, and a
+    vLLM worker registered in Redis by its bridge; a static vLLM entry publishes nothing."""
+    return w.backend == "tandem" or not w.static
 
 
 def log_failure(request_id: str, trace: Trace, cause: str) -> None:

@@ -50,6 +50,13 @@ class RouterSettings(BaseSettings):
                                        "API ($TANDEM_INTERNAL_TOKEN)")
     vllm_api_key: str | None = Field(None, description="the --api-key of vLLM backends, if they "
                                      "have one")
+    speculative_ttl_s: float = Field(2.0, ge=0, le=60, description="how long a block this router "
+                                     "sent to a bridged vLLM worker counts as held before the "
+                                     "worker's own report arrives (router/speculative.py); 0: off")
+    vllm_report_full_prefix: bool = Field(False, description="ask vLLM workers to re-report a "
+                                          "request's whole cached prefix in their KV events "
+                                          "(vllm_xargs kv_cache_report_mode=full), so a bridge "
+                                          "that lost history heals on the next hit")
     api_keys: list[str] = Field([], description="accepted client API key, repeatable; none: no "
                                 "authentication")
     api_keys_file: Path | None = Field(None, description="file with one client API key per line")

@@ -28,6 +28,11 @@ from router.worker_info import WorkerInfo
 class VLLMBackend(HTTPBackend):
     """A vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with the NixlConnector."""
 
+    # --vllm-report-full-prefix: every request asks vLLM to publish its whole cached prefix as
+    # KV events (`kv_cache_report_mode: full`, vLLM >= 0.32), which repairs a bridge's lost history
+    # at the cost of the prefix's token ids in each event (set by the gateway).
+    report_full_prefix = False
+
     def _body(self, w: WorkerInfo, prompt: list[int], sampling: SamplingOptions) -> dict:
         body = {
             "model": w.model or self.model, "prompt": prompt, "temperature": sampling.temperature,
@@ -50,6 +55,8 @@ class VLLMBackend(HTTPBackend):
             body["logit_bias"] = {str(t): v for t, v in sampling.logit_bias.items()}
         if sampling.min_tokens:
             body["min_tokens"] = sampling.min_tokens
+        if self.report_full_prefix:
+            body["vllm_xargs"] = {"kv_cache_report_mode": "full"}
         if sampling.structured is not None:  # vLLM's own field for the same constraint
             kind, spec = sampling.structured.kind, sampling.structured.spec
             body["structured_outputs"] = {kind: orjson.loads(spec) if kind in ("json", "choice") else spec}

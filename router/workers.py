@@ -130,7 +130,7 @@ class WorkerDirectory:
             if w is None:
                 w = self.workers[wid] = WorkerInfo(wid, reg.role, reg.url)
                 log.info("worker joined: %s (%s at %s)", wid, w.role, w.url)
-            w.role, w.url, w.model = reg.role, reg.url, reg.model
+            w.role, w.url, w.model, w.backend = reg.role, reg.url, reg.model, reg.backend
             w.served_names, w.digest, w.hash_seed = tuple(reg.names), reg.model_digest, reg.hash_seed
             w.tokenizer_path, w.started_at = reg.tokenizer_path, reg.started_at
             w.block_size, w.capacity = reg.block_size, reg.capacity
@@ -143,7 +143,9 @@ class WorkerDirectory:
                 log.info("worker left: %s", wid)
                 del self.workers[wid]
         if self.index is not None:
-            tracked = [w for w in self.workers.values() if not w.static and w.backend == "tandem"]
+            # Registered workers publish their blocks: Tandem workers themselves, vLLM workers
+            # through their bridge (vllm_bridge/).
+            tracked = [w for w in self.workers.values() if not w.static]
             self.index.track({w.worker_id: w.events for w in tracked}, data_lost=lost,
                              capacities={w.worker_id: w.capacity for w in tracked})
         await self.reconcile()
