@@ -15,10 +15,11 @@ from common.body_limit import BodyLimit
 from common.errors import APIError, error_response, install_error_handlers
 from router.clients import client_id
 from router.front import FrontedAPI
-from router.gateway import ROLES, Gateway
+from router.gateway import Gateway
 from router.metrics import NO_MODEL
 from router.openai_format import body_schema, correlation_id, parse_body
 from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.policy import ROLES
 from router.responses import complete
 from router.settings import RouterSettings
 

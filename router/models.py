@@ -2,11 +2,13 @@
 template, block hasher and in-process index per served name, and the rule that decides which
 workers may serve a name.
 
-A name belongs to one identity at a time, `(model digest, block size)`: the identity
-of the workers that registered it first (the oldest `started_at`), for as long as any of them
-lives. A worker that claims the name with another identity is refused for that name (logged once,
-counted in `tandem_worker_registrations_refused_total{reason}`): its token ids or its block
-hashes would not be the ones the router computes, and a request sent there would answer garbage.
+A name belongs to one model digest at a time: that of the workers that registered it first (the
+oldest `started_at`), for as long as any of them lives. A worker that claims the name with another
+digest is refused for that name (logged once, counted in
+`tandem_worker_registrations_refused_total{reason}`): its token ids would not be the ones the
+router computes, and a request sent there would answer garbage. Block sizes may differ (Tandem
+workers at 16 beside vLLM workers at 128): the router hashes a prompt once per block size among
+the name's live workers, each size with its own seed (`ServedModel.hasher_for`).
 """
 
 from __future__ import annotations
@@ -48,11 +50,23 @@ class ServedModel:
     # 320 ids for 259 tokens): a worker that answers an id at or past it is failed. None: only
     # the wire bound (int32) holds.
     vocab_size: int | None = None
+    _hashers: dict[int, BlockHasher] = field(default_factory=dict, repr=False)
 
     @property
     def block_size(self) -> int:
-        """Its workers' block size (a model is routed only once a worker gave it an identity)."""
+        """The first accepted worker's block size (a model is routed only once a worker gave it
+        an identity); others may differ (`hasher_for`)."""
         return self.identity[1] if self.identity else 16
+
+    def hasher_for(self, block_size: int) -> BlockHasher | None:
+        """The block hasher of this model's workers of `block_size` (same digest and salt)."""
+        if self.hasher is None or block_size == self.hasher.block_size:
+            return self.hasher
+        hasher = self._hashers.get(block_size)
+        if hasher is None:
+            hasher = self._hashers[block_size] = BlockHasher(self.hasher.model_id, block_size,
+                                                             self.hasher.salt)
+        return hasher
 
 
 class ModelCatalog:
@@ -113,8 +127,8 @@ class ModelCatalog:
         for name, claimants in claims.items():
             model = self.models.get(name)
             current = model.identity if model else None
-            # The name keeps its identity while a worker of it lives; else the oldest claimant's.
-            if current is None or all(w.identity != current for w in claimants):
+            # The name keeps its digest while a worker of it lives; else the oldest claimant's.
+            if current is None or all(w.digest != current[0] for w in claimants):
                 current = claimants[0].identity
             model = await self._model(name, current, claimants[0])
             if model is None:
@@ -122,11 +136,11 @@ class ModelCatalog:
                     self._refuse(w, name, "tokenizer", "its tokenizer could not be loaded")
                 continue
             for w in claimants:
-                if w.identity != current:
+                if w.digest != current[0]:
                     self._refuse(w, name, "model_identity",
-                                 f"it is model {w.identity[0]} (block size {w.identity[1]}) while "
-                                 f"{name!r} is served by {current[0]} (block size {current[1]})")
-                elif w.hash_seed is not None and w.hash_seed != model.hasher.seed:
+                                 f"it is model {w.digest or 'without a digest'} while {name!r} is "
+                                 f"served by {current[0] or 'a model without a digest'}")
+                elif w.hash_seed is not None and w.hash_seed != model.hasher_for(w.block_size).seed:
                     self._refuse(w, name, "hash_seed", "its block hash seed differs from this "
                                  "router's (another --hash-salt?)")
                 else:

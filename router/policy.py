@@ -26,11 +26,11 @@ from router.worker_info import WorkerInfo
 class RouteContext:
     num_tokens: int
     num_blocks: int  # full blocks of the prompt
-    matches: dict[str, int]  # leading matched blocks per worker id
+    matches: dict[str, int]  # leading matched blocks per worker id, in its own block size
     prefill: list[WorkerInfo]
     decode: list[WorkerInfo]
     colocated: list[WorkerInfo]
-    block_size: int
+    block_size: int  # the model's first workers'; a worker's own is `WorkerInfo.block_size`
 
 
 @dataclass
@@ -107,8 +107,8 @@ class KVAwarePolicy:
         return w.prefill_tokens_per_s or self._fleet_rate or self.s.default_prefill_tokens_per_s
 
     def _prefill_s(self, w: WorkerInfo, ctx: RouteContext) -> tuple[float, int]:
-        cached = ctx.matches.get(w.worker_id, 0)
-        uncached = max(ctx.num_tokens - cached * ctx.block_size, 1)
+        cached = ctx.matches.get(w.worker_id, 0)  # in blocks of the worker's own size
+        uncached = max(ctx.num_tokens - cached * w.block_size, 1)
         return (w.queued_tokens() + uncached) / self._rate(w), cached
 
     def _around_backlog(self, ctx: RouteContext, decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
@@ -122,7 +122,7 @@ class KVAwarePolicy:
         queued = min(p.queued_tokens() for p in ctx.prefill)
         out = []
         for d in decode:
-            uncached = ctx.num_tokens - ctx.matches.get(d.worker_id, 0) * ctx.block_size
+            uncached = ctx.num_tokens - ctx.matches.get(d.worker_id, 0) * d.block_size
             if queued < uncached:
                 continue
             t_local, cached = self._prefill_s(d, ctx)
@@ -143,10 +143,10 @@ class KVAwarePolicy:
         transfer: list[tuple[float, WorkerInfo]] = []  # (weighted transfer seconds, decode worker)
         others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
-            held = ctx.matches.get(d.worker_id, 0)
-            uncached = ctx.num_tokens - held * ctx.block_size
+            held, size = ctx.matches.get(d.worker_id, 0), d.block_size
+            uncached = ctx.num_tokens - held * size
             if not ctx.prefill or (s.conditional_disagg and uncached <= s.local_prefill_max_uncached_tokens
-                                   and held * ctx.block_size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
+                                   and held * size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, cached = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
@@ -155,7 +155,7 @@ class KVAwarePolicy:
                 others.append(d)
             # Missing full blocks plus the partial tail block always move, at the bandwidth this
             # decode worker's pulls have measured (the fleet's, or the setting, until then).
-            missing = max(ctx.num_blocks - held, 0) + (ctx.num_tokens % ctx.block_size > 0)
+            missing = max(ctx.num_tokens // size - held, 0) + (ctx.num_tokens % size > 0)
             bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
             transfer_s = s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bandwidth
             transfer.append((s.transfer_weight * transfer_s, d))
@@ -200,3 +200,40 @@ def make_policy(name: str, settings: RouterSettings) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
     return POLICIES[name](settings)
+
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def plan_for(policy: Policy, num_tokens: int, matches: dict[str, int],
+             live: list[WorkerInfo], num_blocks: int, block_size: int) -> Plan:
+    """The policy's plan for a prompt of `num_tokens` (`num_blocks` full blocks) given each live
+    worker's leading match; raises `NoWorkers`. No I/O, no state: the simulator's router.
+
+    A prefill and a decode worker pair only when they speak one KV protocol at one block size
+    (backend, block size): where a model's live workers form several such groups (Tandem workers
+    beside vLLM workers), each group gets the policy's plan and the one predicted fastest wins
+    (a policy that predicts nothing: the one whose decode worker has the least in flight)."""
+    groups: dict[tuple[str, int], list[WorkerInfo]] = {}
+    for w in live:
+        groups.setdefault((w.backend, w.block_size), []).append(w)
+    if len(groups) <= 1:
+        return _plan(policy, num_tokens, matches, live, num_blocks, block_size)
+    plans = []
+    for (_, size), group in sorted(groups.items()):
+        try:
+            plans.append(_plan(policy, num_tokens, matches, group, num_tokens // size, size))
+        except NoWorkers:
+            continue
+    if not plans:
+        raise NoWorkers("no live decode or colocated worker")
+    return min(plans, key=lambda p: (math.inf if p.predicted_s is None else p.predicted_s,
+                                     p.decode.inflight, p.decode.worker_id))
+
+
+def _plan(policy: Policy, num_tokens: int, matches: dict[str, int], live: list[WorkerInfo],
+          num_blocks: int, block_size: int) -> Plan:
+    by_role = {r: [w for w in live if w.role == r] for r in ROLES}
+    ctx = RouteContext(num_tokens, num_blocks, matches, by_role["prefill"], by_role["decode"],
+                       by_role["colocated"], block_size)
+    return policy.choose(ctx)

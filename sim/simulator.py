@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from common.hashing import BlockHasher
 from common.protocol import RequestTiming
 from router.dispatch import learn_bandwidth, learn_prefill_rate
-from router.gateway import plan_for
-from router.policy import make_policy
+from router.policy import make_policy, plan_for
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
 from sim.fleet_cache import FleetCache

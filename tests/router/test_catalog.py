@@ -51,6 +51,21 @@ def test_the_oldest_identity_owns_a_name_while_any_of_its_workers_lives(tiny_fol
     assert c.get("tiny-random").identity == ("bbbbbbbbbbbbbbbb", 4)
 
 
+def test_one_model_at_two_block_sizes_is_served_side_by_side(tiny_folder):
+    # Tandem workers at 4 beside vLLM workers at 8 (16 and 128 on real fleets): one digest, one
+    # name; each block size hashes with its own seed, and a seed from another salt is refused.
+    c = catalog(tiny_folder)
+    small = worker("tandem", "aaaaaaaaaaaaaaaa", started=1.0, block_size=4, folder=tiny_folder)
+    big = worker("vllm", "aaaaaaaaaaaaaaaa", started=2.0, block_size=8, folder=tiny_folder)
+    salted = worker("salted", "aaaaaaaaaaaaaaaa", started=3.0, block_size=8, salt="x",
+                    folder=tiny_folder)
+    asyncio.run(c.reconcile([small, big, salted]))
+    assert small.accepted == big.accepted == {"tiny-random"} and salted.accepted == frozenset()
+    model = c.get("tiny-random")
+    assert model.hasher_for(4) is model.hasher and model.hasher_for(8).seed == big.hash_seed
+    assert refused(c, "hash_seed") == 1 and refused(c, "model_identity") == 0
+
+
 def test_aliases_and_models_are_independent(tiny_folder):
     c = catalog(tiny_folder)
     # Names without a tokenizer folder of their own use the worker's published folder.

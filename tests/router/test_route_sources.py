@@ -123,3 +123,33 @@ def test_static_vllm_workers_stay_on_the_approximate_index(gateway):
     assert gw.index.asked == ["tandem-1"]
     assert plan.decode.worker_id == "static-colocated-0" and plan.cached_blocks == 5
 
+
+
+def test_workers_of_one_model_at_two_block_sizes_are_matched_in_their_own_blocks(gateway):
+    gw, model = gateway
+    tandem = colocated("tandem-1", "tandem", False)  # block size 4
+    vllm = colocated("vllm-b", "vllm", False)
+    vllm.block_size = 8
+    gw.directory.workers = {w.worker_id: w for w in (tandem, vllm)}
+    eights = model.hasher_for(8)(PROMPT)
+    assert len(eights) == 4 and model.hasher_for(8).seed != model.hasher.seed
+    gw.index = PublishedIndex({"vllm-b": eights[:3], "tandem-1": model.hasher(PROMPT)[:2]})
+    plan = route(gw, model, PROMPT)
+    # 3 blocks of 8 (24 tokens) beat 2 blocks of 4 (8 tokens); the plan counts its worker's blocks.
+    assert plan.decode.worker_id == "vllm-b" and plan.cached_blocks == 3
+    assert gw.recent.match(eights, ["vllm-b"]) == {"vllm-b": 4}
+
+
+def test_a_prefill_and_a_decode_worker_pair_only_within_one_backend_and_block_size(gateway):
+    gw, model = gateway
+    tandem_p = WorkerInfo("tandem-p", "prefill", "http://tp", block_size=4, accepted=frozenset({MODEL}))
+    tandem_d = WorkerInfo("tandem-d", "decode", "http://td", block_size=4, accepted=frozenset({MODEL}))
+    vllm_d = WorkerInfo("vllm-d", "decode", "http://vd", backend="vllm", block_size=8,
+                        accepted=frozenset({MODEL}))
+    gw.index = PublishedIndex({"vllm-d": model.hasher_for(8)(PROMPT)})
+    for workers in ((tandem_p, vllm_d), (tandem_p, tandem_d, vllm_d)):
+        gw.directory.workers = {w.worker_id: w for w in workers}
+        for _ in range(4):
+            plan = route(gw, model, PROMPT)
+            legs = [plan.decode] + ([plan.prefill] if plan.prefill else [])
+            assert len({(w.backend, w.block_size) for w in legs}) == 1, plan
