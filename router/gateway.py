@@ -34,9 +34,9 @@ from router.models import ModelCatalog, ServedModel
 from router.openai_format import text_chars
 from router.openai_models import ChatCompletionRequest
 from router.policy import NoWorkers, Plan, Policy, make_policy, plan_for
+from router.prefix_lookup import IndexUnavailable, PrefixLookup
 from router.settings import RouterSettings
 from router.speculative import SpeculativeIndex
-from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -155,60 +155,23 @@ class Gateway:
     async def route(self, model: ServedModel, prompt: list[int]) -> Plan:
         t0 = time.perf_counter()
         live = self.directory.live(model=model.name)
-        # One hash chain per block size among the live workers (Tandem's 16 beside vLLM's 128):
-        # each worker is matched, recorded and priced in blocks of its own size.
-        chains: dict[int, list[int]] = {}
-        for w in live:
-            if w.block_size not in chains:
-                hasher = model.hasher_for(w.block_size)
-                chains[w.block_size] = hasher(prompt) if hasher else []
-        # Exact: what workers publish (Tandem workers, and vLLM workers a `tandem vllm-bridge`
-        # registered). Approximate: static vLLM workers, which publish nothing.
-        ids = [w.worker_id for w in live if _published(w)]
-        approx_ids = [w.worker_id for w in live if not _published(w)]
-        bridged = [w.worker_id for w in live if _published(w) and w.backend != "tandem"]
-        index = self.index or model.memory_index
-        by_id = {w.worker_id: w for w in live}
-
-        async def match(source, worker_ids: list[str]) -> dict[str, int]:
-            out: dict[str, int] = {}
-            for size, hashes in chains.items():
-                group = [wid for wid in worker_ids if by_id[wid].block_size == size]
-                if group:
-                    found = source.match(hashes, group)
-                    out.update(await found if asyncio.iscoroutine(found) else found)
-            return out
-
+        lookup = PrefixLookup(model, live, self.index or model.memory_index, self.recent)
         try:
-            matches = await match(index, ids) if ids else {}
+            matches = await lookup.match(prompt)
             # The replica answers from memory even while Redis is away (a stale copy costs
             # misses only): the gauge says whether Redis itself answers, as the directory sees.
             self.metrics.redis_up.set(0 if self.directory.redis_ok is False else 1)
-        except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
-            log.warning("prefix index unavailable (%s): load-only routing", e)
+        except IndexUnavailable as e:
+            log.warning("prefix index unavailable (%s): load-only routing", e.__cause__)
             self.metrics.redis_up.set(0)
-            matches = dict.fromkeys(ids, 0)
-        if approx_ids:
-            matches.update(await match(model.approx_index, approx_ids))
-        if bridged:
-            for wid, n in (await match(self.recent, bridged)).items():
-                matches[wid] = max(matches.get(wid, 0), n)
-        num_blocks = len(chains.get(model.block_size, ()))
+            matches = e.matches
         try:
-            plan = plan_for(self.policy, len(prompt), matches, live, num_blocks, model.block_size)
+            plan = plan_for(self.policy, len(prompt), matches, live,
+                            len(lookup.chains.get(model.block_size, ())), model.block_size)
         except NoWorkers as e:
             raise APIError(503, f"{e} for model {model.name!r}", "no_workers",
                            headers={"Retry-After": "1"}) from e
-        # Both legs end up holding the prompt's blocks (the decode side after its pull).
-        for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
-            hashes = chains.get(w.block_size, [])
-            if w.backend == "tandem":
-                index.record(w.worker_id, hashes)
-            elif _published(w):
-                self.recent.forget(self.directory.workers)
-                self.recent.record(w.worker_id, hashes)
-            else:
-                model.approx_index.record(w.worker_id, hashes)
+        lookup.record(plan, self.directory.workers)
         self.metrics.route.labels(plan.kind, model.name).inc()
         self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
         return plan
@@ -291,12 +254,6 @@ class Gateway:
             m.retries.labels("prefill", model).inc(trace.retries)
         if trace.resumed:
             m.retries.labels("resume", model).inc(trace.resumed)
-
-
-def _published(w: WorkerInfo) -> bool:
-    """Whether a worker's cache is in the published (exact) index: every Tandem worker, and a
-    vLLM worker registered in Redis by its bridge; a static vLLM entry publishes nothing."""
-    return w.backend == "tandem" or not w.static
 
 
 def log_failure(request_id: str, trace: Trace, cause: str) -> None:

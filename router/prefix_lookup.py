@@ -1,0 +1,90 @@
+"""One request's prefix lookup: how many leading blocks of its prompt each live worker holds, and
+from which source that is known.
+
+- Tandem workers, and vLLM workers that a `tandem vllm-bridge` registered, publish their blocks:
+  the published index (router/index.py) is exact for them.
+- Bridged vLLM workers report a prompt's blocks only after its prefill step: until then this
+  router's own recent decisions stand in (router/speculative.py).
+- Static vLLM entries publish nothing: the model's approximate index, learned from routing.
+
+A model's workers may use several block sizes (Tandem's 16 beside vLLM's 128): the prompt is
+hashed once per size, and each worker is matched and recorded in blocks of its own size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.models import ServedModel
+from router.policy import Plan
+from router.speculative import SpeculativeIndex
+from router.worker_info import WorkerInfo
+
+
+class IndexUnavailable(RuntimeError):
+    """The published index did not answer (Redis down): `matches` is the best left to route
+    on (the approximate and speculative sources, zeros for the rest)."""
+
+    def __init__(self, matches: dict[str, int]) -> None:
+        super().__init__("prefix index unavailable")
+        self.matches = matches
+
+
+def published(w: WorkerInfo) -> bool:
+    """Whether a worker's cache is in the published (exact) index: every Tandem worker, and a
+    vLLM worker registered in Redis by its bridge; a static vLLM entry publishes nothing."""
+    return w.backend == "tandem" or not w.static
+
+
+class PrefixLookup:
+    def __init__(self, model: ServedModel, live: list[WorkerInfo], index,
+                 recent: SpeculativeIndex) -> None:
+        self.model, self.live, self.index, self.recent = model, live, index, recent
+        self.chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes at that size
+        self._by_id = {w.worker_id: w for w in live}
+
+    async def match(self, prompt: list[int]) -> dict[str, int]:
+        """Leading matched blocks per live worker id (in its own block size); raises
+        IndexUnavailable when the published index fails."""
+        for w in self.live:
+            if w.block_size not in self.chains:
+                hasher = self.model.hasher_for(w.block_size)
+                self.chains[w.block_size] = hasher(prompt) if hasher else []
+        exact = [w.worker_id for w in self.live if published(w)]
+        approx = [w.worker_id for w in self.live if not published(w)]
+        bridged = [w.worker_id for w in self.live if published(w) and w.backend != "tandem"]
+        matches: dict[str, int] = {}
+        failure = None
+        try:
+            matches.update(await self._match(self.index, exact))
+        except Exception as e:  # noqa: BLE001 - Redis down: route on load (and the rest) alone
+            failure = e
+            matches.update(dict.fromkeys(exact, 0))
+        matches.update(await self._match(self.model.approx_index, approx))
+        for wid, n in (await self._match(self.recent, bridged)).items():
+            matches[wid] = max(matches.get(wid, 0), n)
+        if failure is not None:
+            raise IndexUnavailable(matches) from failure
+        return matches
+
+    async def _match(self, source, worker_ids: list[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for size, hashes in self.chains.items():
+            group = [wid for wid in worker_ids if self._by_id[wid].block_size == size]
+            if group:
+                found = source.match(hashes, group)
+                out.update(await found if asyncio.iscoroutine(found) else found)
+        return out
+
+    def record(self, plan: Plan, known_ids) -> None:
+        """Both legs of `plan` end up holding the prompt's blocks (the decode side after its
+        pull): tell the sources that learn from routing."""
+        for w in {w.worker_id: w for w in (plan.decode, plan.prefill or plan.decode)}.values():
+            hashes = self.chains.get(w.block_size, [])
+            if w.backend == "tandem":
+                self.index.record(w.worker_id, hashes)
+            elif published(w):
+                self.recent.forget(known_ids)
+                self.recent.record(w.worker_id, hashes)
+            else:
+                self.model.approx_index.record(w.worker_id, hashes)
