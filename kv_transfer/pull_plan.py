@@ -105,7 +105,11 @@ def stage_at_export(block_ids: list[int], block_bytes: int, costs: CostModel,
     return staged < direct
 
 
-PIPELINE_PART_BYTES = 16 << 20
+# H200, SmolLM2 layout (bench/gpu_check.sh, third run): a 94 MB pull into local staging took
+# 610 us as one READ and 884 us as six 16 MiB parts, while 1.5 GB pulls gained from parts: each
+# part costs a completion poll and a scatter launch, which pays only once parts are large.
+# 128 MiB keeps pulls up to that size whole; the next GPU check measures the split again.
+PIPELINE_PART_BYTES = 128 << 20
 MAX_PIPELINE_PARTS = 8
 
 

@@ -161,6 +161,10 @@ def test_pipeline_parts_split_a_pull_into_whole_block_reads():
     assert pipeline_parts(1, 2 * mib, 1) == [(0, 1)]  # never more parts than blocks
     assert pipeline_parts(10, 100, 16 * mib) == [(0, 10)]  # small: one READ
     assert pipeline_parts(0, 100) == []
+    # The default: a 94 MB pull stays one READ (parts cost more than they overlap there on an
+    # H200), a 1.5 GB one is split in the most parts.
+    assert pipeline_parts(256, 368_640) == [(0, 256)]
+    assert len(pipeline_parts(4096, 368_640)) == 8
     for n, parts in ((10, pipeline_parts(10, 100, 300)), (4095, pipeline_parts(4095, 2 * mib))):
         assert sum(c for _, c in parts) == n and all(f == sum(c for _, c in parts[:i]) for i, (f, _) in
                                                       enumerate(parts))
