@@ -110,7 +110,7 @@ class BlockChain:
         if keep == 0:
             return
         own = self.hasher(list(ev.token_ids[: keep * ev.block_size]), parent_hash=parent)
-        for vllm_hash, own_hash in zip(ev.block_hashes, own, strict=True):
+        for vllm_hash, own_hash in zip(ev.block_hashes[:keep], own, strict=True):
             old = self._own.get(vllm_hash)
             if old == own_hash:
                 continue  # re-stored (a full report): already held

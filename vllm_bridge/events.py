@@ -201,7 +201,7 @@ def _decode_event(raw: Raw, index: int) -> Event | None:
     try:
         wire = (_MAP_EVENT if shape == "map" else _ARRAY_EVENT).decode(raw)
     except msgspec.DecodeError as e:
-        if _tag(raw, shape) not in KNOWN_TYPES:
+        if _tag(raw, shape, index) not in KNOWN_TYPES:
             return None
         raise ValueError(f"malformed event {index}: {e}") from e
     if isinstance(wire, _MapStored | _ArrayStored):
@@ -211,7 +211,7 @@ def _decode_event(raw: Raw, index: int) -> Event | None:
     return AllBlocksCleared()
 
 
-def _tag(raw: Raw, shape: str) -> str:
+def _tag(raw: Raw, shape: str, index: int) -> str:
     """The type tag of an event that did not decode; ValueError if it has none."""
     try:
         if shape == "map":
@@ -222,7 +222,7 @@ def _tag(raw: Raw, shape: str) -> str:
             return msgspec.msgpack.decode(tag, type=Annotated[str, Meta(max_length=256)])
     except msgspec.DecodeError:
         pass
-    raise ValueError("event without a type tag")
+    raise ValueError(f"event {index} has no type tag")
 
 
 def _stored(wire: _MapStored | _ArrayStored, index: int) -> BlockStored:
