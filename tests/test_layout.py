@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "engine", "kv_transfer", "worker", "prefill_worker", "decode_worker",
-            "router", "sim", "loadgen", "tandem")
+            "router", "sim", "loadgen", "tandem", "vllm_bridge")
 # Folders of scripts run as `python bench/x.py`: their folder is on sys.path, so a sibling is
 # imported by its bare name (`from clusters import ...` means bench/clusters.py). They put the
 # repository first on sys.path, so a bare name that is one of our packages means the package
@@ -146,6 +146,16 @@ def test_router_imports_no_torch_engine_or_worker():
     banned = ("torch", "engine", "worker", "prefill_worker", "decode_worker", "kv_transfer")
     assert _violations(lambda m, i: "the router image has no torch"
                        if _package(m) == "router" and _package(i) in banned else None) == []
+
+
+def test_the_vllm_bridge_imports_only_common():
+    # It runs beside vLLM in the router's image (no torch), and no router internals: it writes
+    # the Redis schema of common/ as any worker does.
+    assert _violations(lambda m, i: "vllm_bridge/ stands on common/ alone"
+                       if _package(m) == "vllm_bridge" and _ours(i, m, SOURCES)
+                       and _package(i) not in ("vllm_bridge", "common") else None) == []
+    assert _violations(lambda m, i: "the router image has no torch"
+                       if _package(m) == "vllm_bridge" and _package(i) == "torch" else None) == []
 
 
 def test_bench_never_imports_tests():
