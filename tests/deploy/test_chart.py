@@ -3,6 +3,7 @@ and every manifest validates against the Kubernetes schemas (kubernetes-validate
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -246,6 +247,8 @@ def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
     ("decode.gpus=-1", "/decode/gpus"),
     ("redis.cluster=yes", "/redis/cluster"),
     ("router.polcy=kv_aware", "polcy"),  # a typo is refused, not ignored
+    ("vllm.kvEvents.transport=udp", "/vllm/kvEvents/transport"),
+    ("vllm.kvEvents.bufferSteps=0", "/vllm/kvEvents/bufferSteps"),
 ])
 def test_the_values_schema_refuses_bad_values_at_install(flag, message):
     r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", flag], capture_output=True, text=True)
@@ -345,10 +348,141 @@ def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
         urls += [f"http://rel-tandem-{role}-{i}.rel-tandem-{role}.default.svc:8200" for i in range(2)]
     router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
     parsed = build_parser().parse_args(["router", *router["args"]])
+    assert not hasattr(parsed, "workers")  # no static list: the bridges register the pods in Redis
+    env = {e["name"]: e for e in router["env"]}
+    assert env["TANDEM_ROUTER_VLLM_API_KEY"]["valueFrom"] == env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]
+
+    # Without KV events the router lists every pod by its DNS name (the approximate index).
+    docs = render("-f", str(CHART / "values-gpu-vllm.yaml"), "--set", "vllm.kvEvents.enabled=false")
+    validate(docs)
+    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(["router", *router["args"]])
     from router.workers import parse_static
 
     listed = [parse_static(w) for w in parsed.workers]
     assert [(b, url) for b, _, url, _ in listed] == [("vllm", u) for u in urls]
     assert {m for *_, m in listed} == {"llama-3.1-8b-instruct"}
-    env = {e["name"]: e for e in router["env"]}
-    assert env["TANDEM_ROUTER_VLLM_API_KEY"]["valueFrom"] == env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]
+    for sts in by_kind(docs, "StatefulSet").values():
+        spec = sts["spec"]["template"]["spec"]
+        assert [c["name"] for c in spec["containers"]] == ["worker"]
+        assert not any(a.startswith("--kv-events-config") for a in spec["containers"][0]["args"])
+        assert "kv-events" not in {v["name"] for v in spec["volumes"]}
+
+
+POD = "rel-tandem-prefill-0"
+
+
+def kv_events_config(vllm: dict) -> dict:
+    (arg,) = [a for a in vllm["args"] if a.startswith("--kv-events-config=")]
+    return json.loads(arg.split("=", 1)[1])
+
+
+def bridge_settings(bridge: dict, pod: str = POD):
+    """The sidecar's command line as `tandem` parses it and its settings validate it, with
+    $(POD_NAME) expanded as the kubelet does."""
+    from tandem.cli import build_parser
+    from tandem.flags import given
+    from vllm_bridge.settings import BridgeSettings
+
+    assert bridge["command"] == ["tandem", "--log-json", "vllm-bridge"]
+    argv = [a.replace("$(POD_NAME)", pod) for a in bridge["command"][1:] + bridge["args"]]
+    parsed = build_parser().parse_args(argv)
+    assert parsed.command == "vllm-bridge"
+    return BridgeSettings(**given(parsed, BridgeSettings))
+
+
+def test_each_vllm_pod_publishes_kv_events_over_ipc_to_a_bridge_sidecar_that_registers_it():
+    docs = render("-f", str(CHART / "values-gpu-vllm.yaml"))
+    validate(docs)
+    for role in ("prefill", "decode"):
+        spec = by_kind(docs, "StatefulSet")[f"rel-tandem-{role}"]["spec"]["template"]["spec"]
+        vllm, bridge = spec["containers"]
+        assert (vllm["name"], bridge["name"]) == ("worker", "tandem-bridge")
+        cfg = kv_events_config(vllm)
+        assert cfg["enable_kv_cache_events"] is True and cfg["publisher"] == "zmq"
+        assert cfg["endpoint"] == "ipc:///run/tandem-kv/events"  # vLLM binds ipc:// addresses
+        assert cfg["replay_endpoint"] == "ipc:///run/tandem-kv/replay"  # replay on
+        assert cfg["topic"] == "kv@$(POD_NAME)@llama-3.1-8b-instruct"
+        assert {p["name"] for p in vllm["ports"]} == {"http", "kv"}  # nothing on the network
+        env = {e["name"]: e for e in vllm["env"]}
+        assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        # The sockets' folder: one memory emptyDir both containers mount.
+        volume = {v["name"]: v for v in spec["volumes"]}["kv-events"]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        for c in (vllm, bridge):
+            assert {"name": "kv-events", "mountPath": "/run/tandem-kv"} in c["volumeMounts"]
+        # The sidecar: the router image (the tandem CLI, no torch), vLLM on loopback, the same
+        # sockets and topic, registered under the pod's name and stable DNS URL.
+        assert bridge["image"] == "tandem-router:latest"
+        pod = f"rel-tandem-{role}-0"
+        s = bridge_settings(bridge, pod)
+        assert s.vllm_url == "http://127.0.0.1:8200"
+        assert s.public_url == f"http://{pod}.rel-tandem-{role}.default.svc:8200"
+        assert s.events_endpoint == cfg["endpoint"] and s.replay_endpoint == cfg["replay_endpoint"]
+        assert s.topic == cfg["topic"].replace("$(POD_NAME)", pod)
+        assert s.role == role and s.resolved_worker_id == pod
+        assert s.redis_url == "redis://rel-tandem-redis:6379/0" and s.namespace == "rel"
+        assert str(s.model_folder) == "/models/llama-3.1-8b-instruct"  # the digest, as workers'
+        mount = {m["name"]: m for m in bridge["volumeMounts"]}["model"]
+        assert mount["readOnly"] is True and mount["subPath"] == "Llama-3.1-8B-Instruct"
+        benv = {e["name"]: e for e in bridge["env"]}
+        token = {"secretKeyRef": {"name": "rel-tandem-secrets", "key": "internal-token"}}
+        assert benv["TANDEM_BRIDGE_INTERNAL_TOKEN"]["valueFrom"] == token  # signs the registration
+        assert benv["TANDEM_BRIDGE_VLLM_API_KEY"]["valueFrom"] == env["VLLM_API_KEY"]["valueFrom"]
+        assert benv["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert bridge["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert bridge["resources"]["limits"]["memory"]
+
+
+def test_kv_events_over_tcp_reach_only_the_named_peers_and_a_bridge_may_run_elsewhere():
+    from tandem.cli import build_parser
+
+    peer = {"podSelector": {"matchLabels": {"app": "kv-indexer"}}}
+    docs = render("--set", "engine=vllm", "--set", "vllm.kvEvents.transport=tcp",
+                  "--set", "vllm.kvEvents.from[0].podSelector.matchLabels.app=kv-indexer",
+                  "--set", "vllm.kvEvents.reportFullPrefix=true",
+                  "--set", "redis.enabled=false", "--set", "redis.cluster=true",
+                  "--set", "redis.externalUrl=redis://redis-cluster.infra.svc:6379")
+    validate(docs)
+    spec = by_kind(docs, "StatefulSet")["rel-tandem-prefill"]["spec"]["template"]["spec"]
+    vllm, bridge = spec["containers"]
+    cfg = kv_events_config(vllm)
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    assert {p["name"]: p["containerPort"] for p in vllm["ports"]} == {
+        "http": 8200, "kv": 9000, "kv-events": 5557, "kv-replay": 5558}
+    assert "kv-events" not in {v["name"] for v in spec["volumes"]}
+    s = bridge_settings(bridge)
+    assert (s.events_endpoint, s.replay_endpoint) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert s.redis_cluster is True and s.redis_url == "redis://redis-cluster.infra.svc:6379"
+    assert s.model_folder is None  # model.source=image: vLLM's own image, no folder to read
+    assert "volumeMounts" not in bridge
+    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(["router", *router["args"]])
+    assert parsed.vllm_report_full_prefix is True and not hasattr(parsed, "workers")
+    # The event ports: the named peers only (the sidecar reads them on loopback).
+    rules = by_kind(docs, "NetworkPolicy")["rel-tandem-workers"]["spec"]["ingress"]
+    ns = {"self": True}
+    for port in (5557, 5558):
+        assert any(_admits(r, {"app": "kv-indexer"}, ns, port) for r in rules)
+        for labels in ({"app.kubernetes.io/instance": "rel", "app.kubernetes.io/name": "tandem",
+                        "app.kubernetes.io/component": "router"},
+                       {"app.kubernetes.io/instance": "rel", "tandem.dev/pool": "worker"}):
+            assert not any(_admits(r, labels, ns, port) for r in rules)
+    assert [r["from"] for r in rules if 5557 in [p["port"] for p in r["ports"]]] == [[peer]]
+    # No `from`: no rule opens them at all.
+    docs = render("--set", "engine=vllm", "--set", "vllm.kvEvents.transport=tcp")
+    rules = by_kind(docs, "NetworkPolicy")["rel-tandem-workers"]["spec"]["ingress"]
+    assert not [r for r in rules if 5557 in [p["port"] for p in r["ports"]]]
+    # A bridge of one's own elsewhere: no sidecar, and still no static list on the router.
+    docs = render("--set", "engine=vllm", "--set", "vllm.kvEvents.transport=tcp",
+                  "--set", "vllm.kvEvents.bridge.enabled=false")
+    validate(docs)
+    for sts in by_kind(docs, "StatefulSet").values():
+        (vllm,) = sts["spec"]["template"]["spec"]["containers"]
+        assert kv_events_config(vllm)["endpoint"] == "tcp://*:5557"
+    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--worker") for a in router["args"])
+    # ipc sockets without the sidecar could be read by nobody: refused.
+    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "engine=vllm",
+                        "--set", "vllm.kvEvents.bridge.enabled=false"], capture_output=True, text=True)
+    assert r.returncode != 0 and "vllm.kvEvents.transport=ipc needs" in r.stderr, r.stderr

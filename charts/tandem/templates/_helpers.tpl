@@ -91,9 +91,22 @@ huggingface an init container that downloads it (`tokenizerOnly` for the router)
 {{- end -}}
 
 
+{{- /* Where vLLM's KV event sockets are (vllm.kvEvents): `bind` for vLLM (it binds ipc:// and
+wildcard tcp:// addresses, and connects to any other), `connect` for the sidecar. ipc sockets live in
+the kv-events emptyDir shared by the two containers. */ -}}
+{{- define "tandem.kvEventsEndpoint" -}}
+{{- $e := .root.Values.vllm.kvEvents -}}
+{{- if eq $e.transport "ipc" -}}ipc:///run/tandem-kv/{{ .socket }}
+{{- else -}}tcp://{{ if .bind }}*{{ else }}127.0.0.1{{ end }}:{{ eq .socket "events" | ternary $e.eventsPort $e.replayPort }}
+{{- end -}}
+{{- end -}}
+
+{{- /* The topic of a vLLM pod's events: llm-d's kv@<pod>@<model>. */ -}}
+{{- define "tandem.kvEventsTopic" -}}kv@$(POD_NAME)@{{ .Values.model.name }}{{- end -}}
+
 {{- /* A vLLM OpenAI server with the NixlConnector, as a prefill or decode worker behind Tandem's
 router (router/vllm_backend.py): the NIXL side channel on the worker's KV port, the internal
-token as vLLM's API key. */ -}}
+token as vLLM's API key; with vllm.kvEvents, its KV cache events (with replay) for the bridge. */ -}}
 {{- define "tandem.vllmContainer" -}}
 {{- $root := .root -}}
 {{- $w := .w -}}
@@ -115,12 +128,19 @@ token as vLLM's API key. */ -}}
     - --max-model-len={{ . }}
     {{- end }}
     - '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+    {{- if $v.kvEvents.enabled }}
+    {{- $events := include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "events" "bind" true) }}
+    {{- $replay := include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "replay" "bind" true) }}
+    - {{ printf `--kv-events-config={"enable_kv_cache_events":true,"publisher":"zmq","endpoint":%q,"replay_endpoint":%q,"buffer_steps":%d,"topic":%q}` $events $replay (int $v.kvEvents.bufferSteps) (include "tandem.kvEventsTopic" $root) | squote }}
+    {{- end }}
     {{- range concat $v.extraArgs $w.extraArgs }}
     - {{ . | quote }}
     {{- end }}
   env:
     - name: POD_IP
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
+    - name: POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
     - {name: HOME, value: /tmp}  # a non-root user: vLLM's caches go under $HOME
     - {name: VLLM_NIXL_SIDE_CHANNEL_HOST, value: $(POD_IP)}
     - {name: VLLM_NIXL_SIDE_CHANNEL_PORT, value: {{ $w.transportPort | quote }}}
@@ -132,13 +152,69 @@ token as vLLM's API key. */ -}}
   ports:
     - {name: http, containerPort: {{ $w.port }}}
     - {name: kv, containerPort: {{ $w.transportPort }}}
+    {{- if and $v.kvEvents.enabled (eq $v.kvEvents.transport "tcp") }}
+    - {name: kv-events, containerPort: {{ $v.kvEvents.eventsPort }}}
+    - {name: kv-replay, containerPort: {{ $v.kvEvents.replayPort }}}
+    {{- end }}
   # vLLM answers /health once the engine is up; loading a large model takes minutes.
   startupProbe: {httpGet: {path: /health, port: http}, periodSeconds: 10, failureThreshold: 180}
   livenessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 10, timeoutSeconds: 5}
   readinessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 5, timeoutSeconds: 3}
 {{- end -}}
 
-{{- /* With engine: vllm the router lists every vLLM pod (StatefulSet DNS names). */ -}}
+{{- /* The `tandem vllm-bridge` sidecar of a vLLM pod (vllm_bridge/): it reads the server on
+loopback and its KV events (with replay), registers it in Redis under the pod's name with its stable
+DNS URL, signed with the internal token, and publishes its cache as Tandem block hashes. The router
+image: it has the tandem CLI and no torch. The model folder, where mounted, gives the model's digest
+(config and tokenizer files) as Tandem workers compute it. */ -}}
+{{- define "tandem.vllmBridge" -}}
+{{- $root := .root -}}
+{{- $w := .w -}}
+{{- $e := $root.Values.vllm.kvEvents -}}
+{{- $img := $root.Values.image.router -}}
+- name: tandem-bridge
+  image: "{{ $img.repository }}:{{ $img.tag }}"
+  imagePullPolicy: {{ $img.pullPolicy }}
+  command: [tandem, --log-json, vllm-bridge]
+  args:
+    - --vllm-url=http://127.0.0.1:{{ $w.port }}
+    - --advertise-url=http://$(POD_NAME).{{ .name }}.{{ $root.Release.Namespace }}.svc:{{ $w.port }}
+    - --events-endpoint={{ include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "events") }}
+    - --replay-endpoint={{ include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "replay") }}
+    - --topic={{ include "tandem.kvEventsTopic" $root }}
+    - --role={{ .role }}
+    - --worker-id=$(POD_NAME)
+    - --redis-url={{ include "tandem.redisUrl" $root }}
+    {{- if $root.Values.redis.cluster }}
+    - --redis-cluster
+    {{- end }}
+    - --namespace={{ $root.Release.Name }}
+    {{- if ne $root.Values.model.source "image" }}
+    - --model-folder=/models/{{ $root.Values.model.name }}
+    {{- end }}
+    {{- range $e.bridge.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+    - name: TANDEM_BRIDGE_INTERNAL_TOKEN  # signs the registration
+      valueFrom: {{ include "tandem.tokenSecretRef" $root }}
+    - name: TANDEM_BRIDGE_VLLM_API_KEY  # the vLLM server's VLLM_API_KEY
+      valueFrom: {{ include "tandem.tokenSecretRef" $root }}
+  securityContext: {{- toYaml $root.Values.securityContext | nindent 4 }}
+  resources: {{- toYaml $e.bridge.resources | nindent 4 }}
+  {{- $modelMount := include "tandem.modelMount" $root }}
+  {{- if or (eq $e.transport "ipc") $modelMount }}
+  volumeMounts:
+    {{- if eq $e.transport "ipc" }}
+    - {name: kv-events, mountPath: /run/tandem-kv}
+    {{- end }}
+    {{- $modelMount | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{- /* With engine: vllm and no KV events, the router lists every vLLM pod (StatefulSet DNS names). */ -}}
 {{- define "tandem.vllmWorkers" -}}
 {{- $root := . -}}
 {{- range $role := list "prefill" "decode" }}
