@@ -1,9 +1,11 @@
 """The images' recipes: the CUDA worker target compiles the KV kernels (the same build command
 runs here with nvcc, compile-only) and puts them where the loader looks; compose's GPU profile
-reserves a GPU per worker and runs that image."""
+reserves a GPU per worker and runs that image; its vLLM profile runs each vLLM server beside a
+bridge that reads its KV events."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -76,3 +78,42 @@ def test_compose_gpu_profile_reserves_a_gpu_per_worker_and_runs_the_cuda_image()
     for svc in compose["services"].values():
         token = (svc.get("environment") or {}).get("TANDEM_INTERNAL_TOKEN")
         assert token is None or token.startswith("${TANDEM_INTERNAL_TOKEN:?")
+
+
+def test_compose_vllm_profile_pairs_each_vllm_server_with_a_bridge_on_its_event_sockets():
+    from tandem.cli import build_parser
+    from tandem.flags import given
+    from vllm_bridge.settings import BridgeSettings
+
+    compose = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    vllm = {n: s for n, s in services.items() if "vllm" in s.get("profiles", [])}
+    assert set(vllm) == {"vllm-setup", "vllm-1", "vllm-1-bridge", "vllm-2", "vllm-2-bridge"}
+    assert not {"vllm-setup", "vllm-1", "vllm-2"} & {n for n, s in services.items()
+                                                     if "gpu" in s.get("profiles", [])}
+    for name in ("vllm-1", "vllm-2"):
+        server, bridge = services[name], services[f"{name}-bridge"]
+        devices = server["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        cmd = server["command"]
+        cfg = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+        assert cfg["enable_kv_cache_events"] is True and cfg["endpoint"].startswith("ipc://")
+        assert cfg["replay_endpoint"].startswith("ipc://")
+        parsed = build_parser().parse_args(bridge["entrypoint"][1:] + bridge["command"])
+        s = BridgeSettings(**given(parsed, BridgeSettings))
+        assert (s.events_endpoint, s.replay_endpoint, s.topic) == (
+            cfg["endpoint"], cfg["replay_endpoint"], cfg["topic"])
+        assert s.vllm_url == f"http://{name}:{cmd[cmd.index('--port') + 1]}"
+        assert s.resolved_worker_id == name and s.redis_url == "redis://redis:6379/0"
+        # The sockets' volume: the two share it, no other service mounts it.
+        sockets = f"{name}-kv:/run/tandem-kv"
+        assert sockets in server["volumes"] and sockets in bridge["volumes"]
+        assert [n for n, svc in services.items() if any(v.startswith(f"{name}-kv:")
+                                                         for v in svc.get("volumes", []))] == [
+            "vllm-setup", name, f"{name}-bridge"]
+        # The model's digest: the bridge reads the very folder vLLM serves.
+        folder = cmd[cmd.index("--model") + 1]
+        assert str(s.model_folder) == folder and "vllm-models:/models:ro" in bridge["volumes"]
+        assert server["user"] == "10001:10001"  # the bridge's user owns the sockets vLLM makes
+        assert server["environment"]["VLLM_API_KEY"].startswith("${TANDEM_INTERNAL_TOKEN:?")
+        assert bridge["environment"]["TANDEM_BRIDGE_VLLM_API_KEY"].startswith("${TANDEM_INTERNAL_TOKEN:?")
