@@ -31,6 +31,7 @@ def _global_flags(defaults: bool) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     from router.settings import RouterSettings
+    from vllm_bridge.settings import BridgeSettings
     from worker.settings import WorkerSettings
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving",
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("router", commands.cmd_router, "serve the OpenAI-compatible gateway")
     add_settings_flags(p, RouterSettings, aliases=ROUTER_ALIASES)
+
+    p = add("vllm-bridge", commands.cmd_vllm_bridge, "register a vLLM server with the routers "
+            "and mirror its KV cache events into their exact prefix index (one per vLLM server)")
+    add_settings_flags(p, BridgeSettings)
 
     for name, func, text in (("up", commands.cmd_up, "start a local cluster (Redis, workers, router)"),
                              ("demo", commands.cmd_demo,

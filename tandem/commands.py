@@ -159,6 +159,41 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def bridge_settings(args: argparse.Namespace):
+    """The vLLM bridge's settings: the flags given, then TANDEM_BRIDGE_* variables, then the
+    defaults; TANDEM_INTERNAL_TOKEN as for the workers."""
+    from vllm_bridge.settings import BridgeSettings
+
+    kwargs = given(args, BridgeSettings)
+    if "internal_token" not in kwargs and os.environ.get("TANDEM_INTERNAL_TOKEN"):
+        kwargs["internal_token"] = os.environ["TANDEM_INTERNAL_TOKEN"]
+    return BridgeSettings(**kwargs)
+
+
+def cmd_vllm_bridge(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from vllm_bridge.bridge import Bridge
+
+    bridge = Bridge(bridge_settings(args))
+
+    async def serve() -> None:
+        # SIGTERM and SIGINT stop it the same way: the registration and block set are deleted
+        # on the way out (Bridge.run), so routers drop the server at once.
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await bridge.run()
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(serve())
+    return 0
+
+
 def _cluster(args: argparse.Namespace, extra_router_args: tuple[str, ...] = ()):
     from tandem.launcher import Cluster
 

@@ -28,10 +28,11 @@ command line; edit those, not this page (tests/test_docs.py fails when it is sta
 Every setting of a service is a command-line flag and an environment variable. A flag given on
 the command line wins; a setting without a flag comes from its environment variable, then from
 the default. The flags are generated from the same settings classes as these tables
-(`router/settings.py`, `worker/settings.py`), so `tandem router --help` and this page say the
-same thing.
+(`router/settings.py`, `worker/settings.py`, `vllm_bridge/settings.py`), so `tandem router
+--help` and this page say the same thing.
 
-- `TANDEM_INTERNAL_TOKEN` sets the internal token of every service (routers, workers, `tandem up`).
+- `TANDEM_INTERNAL_TOKEN` sets the internal token of every service (routers, workers, vLLM
+  bridges, `tandem up`).
 - `-v` (debug logs) and `--log-json` (one JSON object per log line) work before or after the
   subcommand.
 - A list setting is repeatable on the command line (`--worker decode=http://h:8300 --worker
@@ -54,7 +55,8 @@ def settings_table(cls, title: str, command: str, skip: tuple[str, ...] = (),
         if name in skip:
             continue
         flags = ", ".join(f"`{f}`" for f in (flag_name(name), *aliases.get(name, [])))
-        rows.append(f"| {flags} | `{prefix}{name.upper()}` | `{shown_default(field)!r}` "
+        default = "required" if field.is_required() else f"`{shown_default(field)!r}`"
+        rows.append(f"| {flags} | `{prefix}{name.upper()}` | {default} "
                     f"| {_cell(field.description or '')} |")
     return "\n".join(rows)
 
@@ -91,6 +93,7 @@ def command_table(parser: argparse.ArgumentParser, command: str, settings: dict)
 def page() -> str:
     from router.settings import RouterSettings
     from tandem.cli import ROUTER_ALIASES, WORKER_ALIASES, build_parser
+    from vllm_bridge.settings import BridgeSettings
     from worker.settings import WorkerSettings
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -102,6 +105,8 @@ def page() -> str:
              settings_table(WorkerSettings, "Workers (`tandem prefill|decode|colocated`)",
                             "tandem decode", skip=("role",),
                             aliases={k: v for k, v in WORKER_ALIASES.items() if k != "fault_injection"}),
+             settings_table(BridgeSettings, "vLLM bridge (`tandem vllm-bridge`)",
+                            "tandem vllm-bridge"),
              "## Other commands\n\nThe flags of the commands that are not services.",
              *commands]
     return "\n\n".join(parts) + "\n"

@@ -71,6 +71,8 @@ def _help(cls: type[BaseSettings], name: str) -> str:
     default = shown_default(field)
     shown = "none" if default is None or default == [] else default
     text = (field.description or "").replace("%", "%%")
+    if field.is_required():
+        return f"{text} (required; env {env})"
     return f"{text} (default: {shown}; env {env})"
 
 
