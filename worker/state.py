@@ -185,7 +185,7 @@ class WorkerState:
     def registration_info(self) -> dict:
         s, core = self.settings, self.core
         return {
-            **self.model_info(), "role": s.role, "url": s.url,
+            **self.model_info(), "role": s.role, "url": s.url, "backend": "tandem",
             "capacity": core.num_blocks, "engine_id": s.resolved_worker_id,
             "transport": self.connector.transport.name if self.connector else "",
             "max_model_len": core.max_model_len, "started_at": self.started_at,
