@@ -7,6 +7,10 @@ ROUTER. The wire:
             answers  [b"", topic, seq, payload]                every buffered seq >= start, then
                      [b"", b"", -1 (8 B signed), b""]          the end marker
 
+Releases before 0.32 (the fix of vllm#45174; e.g. v0.11, the chart's default image) answer
+replays without the topic frame: `[b"", seq, payload]`, then `[b"", -1, b""]`. The frame count
+tells the two apart; both are accepted.
+
 Every message is validated here (frame count, an 8-byte seq, the topic, a bounded non-empty
 payload); one that fails is counted in `counts["malformed"]` and skipped, never fatal. What the
 seqs mean is vllm_bridge/subscriber.py's.
@@ -120,12 +124,18 @@ class PublisherLink:
             if not await dealer.poll(self.replay_timeout_s * 1000, zmq.POLLIN):
                 raise ReplayTimeout
             frames = await dealer.recv_multipart()
-            if len(frames) != 4 or frames[0]:
+            if len(frames) == 4 and not frames[0]:  # 0.32: [b"", topic, seq, payload]
+                if frames[2] == END_SEQ and not frames[1] and not frames[3]:
+                    return
+                message = self._parse(frames[1:])
+            elif len(frames) == 3 and not frames[0]:  # older: [b"", seq, payload], no topic
+                if frames[1] == END_SEQ and not frames[2]:
+                    return
+                # The replay socket is this publisher's own: its batches carry our topic.
+                message = self._parse([self.topic, *frames[1:]])
+            else:
                 self.counts["malformed"] += 1
                 continue
-            if frames[2] == END_SEQ and not frames[1] and not frames[3]:
-                return
-            message = self._parse(frames[1:])
             if message is not None:
                 yield message
         raise ReplayTimeout  # an answer without end: not vLLM's

@@ -24,12 +24,15 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class FakePublisher:
     """vLLM's publisher: `publish` sends a batch and keeps it for replay (the last
-    `buffer_steps`); `restart` is a new process (seqs from 0, an empty buffer)."""
+    `buffer_steps`); `restart` is a new process (seqs from 0, an empty buffer).
+    `replay_topic=False`: replay answers as vLLM before 0.32 sent them, without the topic frame
+    (vllm#45174)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "",
-                 buffer_steps: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, replay_topic: bool = True) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode()
+        self.replay_topic = replay_topic
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self.seq = 0
         self.answer_replays = True
@@ -89,6 +92,7 @@ class FakePublisher:
     async def _serve_replays(self) -> None:
         # vLLM's _service_replay: [identity, b"", start] in, each buffered seq >= start out, then
         # the end marker.
+        topic = [self.topic] if self.replay_topic else []
         while True:
             frames = await self.router.recv_multipart()
             if len(frames) != 3 or not self.answer_replays:
@@ -96,9 +100,10 @@ class FakePublisher:
             identity, _, start = frames
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
-                    await self.router.send_multipart([identity, b"", self.topic,
+                    await self.router.send_multipart([identity, b"", *topic,
                                                       seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([identity, b"", b"", END_SEQ, b""])
+            end = [b""] if self.replay_topic else []
+            await self.router.send_multipart([identity, b"", *end, END_SEQ, b""])
             self.num_replays += 1
 
 

@@ -53,9 +53,9 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(tmp_path, *, replay: bool = True, buffer_steps: int = 10_000, topic: str = "",
-                  start: bool = True, **options):
+                  start: bool = True, replay_topic: bool = True, **options):
     pub = FakePublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay" if replay else None,
-                        topic, buffer_steps)
+                        topic, buffer_steps, replay_topic)
     await pub.start()
     sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, topic, **options)
     h = Harness(pub, sub)
@@ -168,6 +168,25 @@ def test_a_late_joiner_gets_the_history_by_replay(tmp_path):
             await h.publish(5.0)
             assert seqs(await h.take(1)) == [5]
             assert h.sub.counts["reset_history_lost"] == 0
+
+    run(go())
+
+
+def test_replay_answers_without_the_topic_frame_from_older_vllm(tmp_path):
+    """vLLM before 0.32 (vllm#45174) answered `[b"", seq, payload]` and `[b"", -1, b""]`: a
+    late joiner's history and a gap are replayed from it as from 0.32's four frames."""
+    async def go():
+        async with harness(tmp_path, topic="kv@old", replay_topic=False, start=False) as h:
+            await h.publish(0.0, 1.0, 2.0, live=False)  # before the bridge starts
+            await h.start()
+            got = await h.take(3)
+            assert seqs(got) == [0, 1, 2] and got[2].payload == payload(2.0)
+            await h.publish(3.0, live=False)  # missed: replayed when 4 shows the gap
+            await h.publish(4.0)
+            assert seqs(await h.take(2)) == [3, 4]
+            counts = h.sub.counts
+            assert counts["gaps"] == 1 and counts["malformed"] == 0 and counts["replay_timeouts"] == 0
+            assert counts["reset_history_lost"] == counts["reset_restarted"] == 0
 
     run(go())
 
