@@ -10,70 +10,28 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import ROOT, Router, free_port, scrape, series_sum, wait_http_ok
+from tandem.cluster import Router, series_sum
+from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer, vllm_python
 
 pytestmark = pytest.mark.vllm
 
-VLLM_PYTHON = Path(os.environ.get("TANDEM_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
-MODEL = "smollm2-135m-instruct"
 PROMPT = "The three primary colors are"
-
-
-class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` with the NixlConnector on host memory."""
-
-    def __init__(self, folder: Path, log_dir: Path, core: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": str(core),  # one core each: two servers, two cores
-               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL,
-               "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
-               "--kv-transfer-config",
-               '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}']
-        self.log_path = log_dir / f"vllm-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        # Own session: vLLM forks an engine core and a worker; closing kills the whole group.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        wait_http_ok(self.proc, self.log_path, lambda: httpx.get(f"{self.url}/health", timeout=2),
-                     "vLLM", timeout, interval=1)
-
-    def metrics(self) -> dict[str, float]:
-        with httpx.Client(base_url=self.url, timeout=10) as c:
-            return scrape(c)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
 def vllm_pair(smollm2_folder, tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON}: run `bash bench/setup_vllm_cpu.sh` "
+    if not vllm_python().exists():
+        pytest.skip(f"no vLLM venv at {vllm_python()}: run `bash bench/setup_vllm_cpu.sh` "
                     "(or set TANDEM_VLLM_PYTHON)")
     log_dir = tmp_path_factory.mktemp("vllm")
-    servers = [VLLMServer(smollm2_folder, log_dir, core) for core in (0, 1)]
+    servers = [VLLMServer(smollm2_folder, log_dir, VLLMOptions(core=core, nixl=True))
+               for core in (0, 1)]
     try:
         for s in servers:
             s.wait_ready()
