@@ -125,11 +125,12 @@ def removed(hashes, ts=0.0) -> bytes:
 
 
 class FakeServer:
-    """vLLM's HTTP routes that the bridge reads; `healthy = False` makes /health answer 503."""
+    """vLLM's HTTP routes that the bridge reads; `healthy = False` makes /health answer 503.
+    `completions`: a handler for `POST /v1/completions` (tests/vllm_bridge/fake_engine.py)."""
 
     def __init__(self, *, root: str = "/models/smollm2", names=("smollm2",), block_size: int = 4,
                  num_gpu_blocks: int = 64, sources: dict | None = None,
-                 cache_config_line: str | None = None) -> None:
+                 cache_config_line: str | None = None, completions=None) -> None:
         self.root, self.names = root, list(names)
         self.cache_config_line = cache_config_line  # a real server's, verbatim
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
@@ -144,6 +145,8 @@ class FakeServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._sources)
+        if completions is not None:
+            app.router.add_post("/v1/completions", completions)
         self._runner = web.AppRunner(app)
         self.url = ""
 
