@@ -31,7 +31,7 @@ class AsyncEngine(EngineClient):
 
     def __init__(self, engine: LLMEngine, on_events: Callable[[list[BlockEvent]], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        super().__init__()
+        super().__init__(engine.config.max_unread_tokens, engine.config.parked_timeout_s)
         self.engine = engine
         self._on_events = on_events
         self._on_death = on_death

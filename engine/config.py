@@ -153,6 +153,11 @@ class EngineConfig:
     # "auto": the folder's safetensors; "dummy": random weights drawn on the device, no
     # checkpoint needed (benchmarks of a model shape: engine/shapes.py, bench/engine.py).
     load_format: str = "auto"
+    # A request whose reader has left more than this many of its tokens unread is parked: out
+    # of the batch until the reader catches up, aborted after `parked_timeout_s` parked
+    # (engine/output_stream.py; the async clients apply it). None: never parked.
+    max_unread_tokens: int | None = None
+    parked_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -167,6 +172,10 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1 (or None)")
         if self.max_long_prefills < 1:
             raise ValueError("max_long_prefills must be >= 1")
+        if self.max_unread_tokens is not None and self.max_unread_tokens < 1:
+            raise ValueError("max_unread_tokens must be >= 1 (or None)")
+        if not self.parked_timeout_s > 0:
+            raise ValueError("parked_timeout_s must be > 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):

@@ -74,7 +74,7 @@ class ProcessEngine(EngineClient):
         if not config.device.startswith("cpu"):
             raise ValueError("the engine-core process needs the CPU device (its KV cache is a "
                              "shared file mapping)")
-        super().__init__()
+        super().__init__(config.max_unread_tokens, config.parked_timeout_s)
         self.config = config
         self._on_events = on_events
         self._on_death = on_death

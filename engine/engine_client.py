@@ -3,16 +3,17 @@
 Two implementations: `AsyncEngine` (engine/async_engine.py) steps the engine on a thread of this
 process; `ProcessEngine` (engine/core_client.py) steps it in its own process. Both run engine
 methods by name between steps (`call`, `post`) and deliver each request's outputs to an asyncio
-queue opened with `open_stream`; the streaming half below is shared.
+queue opened with `open_stream`; the streaming half below is shared, including parking a
+request whose reader has fallen behind (engine/output_stream.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.llm_engine import DuplicateRequestId, RequestOutput
+from engine.output_stream import OutputStream
 from engine.sampling_params import SamplingParams
 
 
@@ -25,8 +26,13 @@ class InjectedFault(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self) -> None:
-        self._streams: dict[str, asyncio.Queue] = {}
+    """`max_unread_tokens`, `parked_timeout_s`: when a request whose reader is behind is parked,
+    and when it is aborted (engine/output_stream.py); None: never parked."""
+
+    def __init__(self, max_unread_tokens: int | None = None, parked_timeout_s: float = 30.0) -> None:
+        self._streams: dict[str, OutputStream] = {}
+        self.max_unread_tokens = max_unread_tokens
+        self.parked_timeout_s = parked_timeout_s
 
     # Implemented by both engines:
     @property
@@ -54,30 +60,32 @@ class EngineClient:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            q = self._streams.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     def _fail_streams(self, error: BaseException) -> None:
-        for q in self._streams.values():
-            q.put_nowait(error)
+        for stream in self._streams.values():
+            stream.put(error)
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
+    def open_stream(self, request_id: str) -> OutputStream:
         if request_id in self._streams:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = q
-        return q
+        stream = OutputStream(request_id, self.post, self.max_unread_tokens, self.parked_timeout_s)
+        self._streams[request_id] = stream
+        return stream
 
     def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()
 
-    async def outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; aborts it if the consumer goes away."""
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine failed: {item}") from item
                 yield item
@@ -94,9 +102,9 @@ class EngineClient:
         out = await self.call("abort_request", request_id)
         if out is None:
             return False
-        q = self._streams.get(request_id)
-        if q is not None:
-            q.put_nowait(out)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(out)
         return True
 
     async def generate(
@@ -107,12 +115,12 @@ class EngineClient:
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        q = self.open_stream(request_id)
+        stream = self.open_stream(request_id)
         try:
             await self.call("add_request", request_id, prompt_token_ids, params,
                             output_token_ids, hold_blocks)
         except BaseException:
             self.close_stream(request_id)
             raise
-        async for out in self.outputs(request_id, q):
+        async for out in self.outputs(request_id, stream):
             yield out

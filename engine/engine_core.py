@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 # What the API process may run here: the engine's request methods, nothing else.
 REMOTE_METHODS = frozenset({
-    "add_request", "import_request", "finish_import", "abort_request", "release", "block_table",
-    "cached_hashes", "stats",
+    "add_request", "import_request", "finish_import", "abort_request", "park_request", "release",
+    "block_table", "cached_hashes", "stats",
 })
 
 

@@ -149,7 +149,7 @@ class LLMEngine:
             self.pipeline.wait()  # a transfer must not race the step in flight's writes
         prefix = self.kv.computed_prefix(seq)
         num_needed = seq.num_tokens - 1 - len(prefix) * self.block_size
-        if not self.kv.allocate(seq, num_needed, prefix):
+        if not self.scheduler.allocate(seq, num_needed, prefix):
             raise MemoryError("not enough free KV blocks to import the request")
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.requests[request_id] = seq
@@ -193,6 +193,12 @@ class LLMEngine:
         self.scheduler.remove(seq)
         return self._finish(seq, "abort", keep_blocks=False)
 
+    def park_request(self, request_id: str, parked: bool = True) -> bool:
+        """Out of the batch while its reader is behind (`parked=False`: back in the queue);
+        False if it was in no state to be (engine/scheduler.py `park`)."""
+        seq = self.requests.get(request_id)
+        return seq is not None and (self.scheduler.park(seq) if parked else self.scheduler.unpark(seq))
+
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request was holding."""
         seq = self.held.pop(request_id, None)
@@ -219,14 +225,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """The load figures the worker publishes and exports as metrics."""
-        s = self.scheduler
-        return {
-            "running": len(s.running), "waiting": len(s.waiting),
-            "free_blocks": self.pool.num_free_blocks, "num_blocks": self.num_blocks,
-            "held": len(self.held), "importing": len(self.importing),
-            "waiting_tokens": sum(seq.num_tokens - seq.num_computed_tokens
-                                  for seq in list(s.waiting)),
-        }
+        return {**self.scheduler.stats(), "free_blocks": self.pool.num_free_blocks,
+                "num_blocks": self.num_blocks, "held": len(self.held), "importing": len(self.importing)}
 
     # ---- stepping -------------------------------------------------------------------------
 

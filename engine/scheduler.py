@@ -13,6 +13,12 @@ Long prompts are prefilled one after another, not side by side (vLLM's
 admitted. Equal work split across two prompts gives both their first token when both are done;
 done in turn, the first one is answered in half the time and the second no later, and the
 running decodes get a step between the two (shorter steps, lower inter-token latency).
+
+A request whose reader has fallen behind is parked (`park`): it leaves the queues and costs no
+compute, keeping its blocks until blocks run short, when the longest-parked one's are freed
+before any running sequence is preempted (it is recomputed, mostly from the prefix cache, once
+resumed). `unpark` puts it at the front of the queue. The engine's client decides both from the
+tokens its reader has not taken yet (engine/output_stream.py).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Scheduler:
         self.max_long_prefills = max_long_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []  # in the order they were parked
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -61,7 +68,55 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Whether a step would compute anything (parked sequences wait for their reader)."""
         return bool(self.waiting or self.running)
+
+    def stats(self) -> dict[str, int]:
+        """Queue lengths, and the tokens the waiting sequences have yet to compute (a copy of the
+        queue is summed: another thread may read this while the engine's thread steps)."""
+        return {"running": len(self.running), "waiting": len(self.waiting), "parked": len(self.parked),
+                "waiting_tokens": sum(s.num_tokens - s.num_computed_tokens for s in list(self.waiting))}
+
+    def park(self, seq: Sequence) -> bool:
+        """Take a waiting or running `seq` out of scheduling, keeping its blocks; False if it is
+        in neither queue (finished, importing or parked already)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return False
+        seq.status = SequenceStatus.PARKED
+        self.parked.append(seq)
+        return True
+
+    def unpark(self, seq: Sequence) -> bool:
+        """Back to the front of the queue (with its blocks, if it still has them: admission then
+        computes only its last token); False if it is not parked."""
+        if seq not in self.parked:
+            return False
+        self.parked.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        return True
+
+    def release_parked(self) -> bool:
+        """Free the blocks of the longest-parked sequence that holds any; False if none does."""
+        for seq in self.parked:
+            if seq.block_table:
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+        """`KVCacheManager.allocate`, taking parked sequences' blocks when blocks are short."""
+        while not self.kv.allocate(seq, num_new_tokens, prefix_blocks):
+            if not self.release_parked():
+                return False
+        return True
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -73,7 +128,7 @@ class Scheduler:
             seq = running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             num_long += self._is_long(seq.num_tokens - seq.num_computed_tokens)
-            while not self.kv.allocate(seq, num_new):
+            while not self.allocate(seq, num_new):
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -98,7 +153,7 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             num_new = min(seq.num_tokens - computed, budget)
-            if not self.kv.allocate(seq, num_new, prefix):
+            if not self.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -130,3 +185,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.parked:
+            self.parked.remove(seq)

@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, being filled by a KV transfer
+    PARKED = "parked"  # out of the batch while its reader is behind (engine/scheduler.py)
     FINISHED = "finished"
 
 
