@@ -102,7 +102,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = worker_settings(args)
     try:
-        sock = bind(settings.host, settings.port)
+        sock = bind(settings.host, settings.port, settings.send_buffer_bytes)
     except BindError as e:
         print(f"tandem {settings.role}: {e}", file=sys.stderr)
         return 2
@@ -122,7 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # After the drain, what is still streaming gets a moment, then is cut (the router resumes it).
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="warning", timeout_graceful_shutdown=2,
-                                           http=timed_http_protocol(HEADER_TIMEOUT_S)),
+                                           http=timed_http_protocol(HEADER_TIMEOUT_S, 0)),
                             drain=lambda: state.drain(settings.drain_timeout_s))
     state.request_shutdown = lambda: setattr(server, "should_exit", True)
     run(server, [sock])

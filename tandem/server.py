@@ -117,11 +117,13 @@ def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return preexec
 
 
-def timed_http_protocol(header_timeout_s: float):
+def timed_http_protocol(header_timeout_s: float, write_buffer_bytes: int | None = None):
     """uvicorn's httptools protocol with a deadline on each request's headers: a connection
     that has not sent a complete request head within `header_timeout_s` of opening (or of its
     previous response, on keep-alive) is closed. uvicorn has none (slowloris: partial headers
-    held a connection forever); the body's own deadline is router/front.py's."""
+    held a connection forever); the body's own deadline is router/front.py's.
+    `write_buffer_bytes`: what a response may queue in the process beyond the kernel's send
+    buffer before its writes wait (asyncio's default is 64 KiB)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class TimedHttpToolsProtocol(HttpToolsProtocol):
@@ -129,6 +131,8 @@ def timed_http_protocol(header_timeout_s: float):
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if write_buffer_bytes is not None:
+                transport.set_write_buffer_limits(high=write_buffer_bytes)
             self._arm()
 
         def on_message_begin(self) -> None:

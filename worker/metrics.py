@@ -56,6 +56,9 @@ class WorkerMetrics:
         self.kv_usage = Gauge("tandem_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.held_requests = Gauge("tandem_worker_held_requests",
                                    "Prefilled requests holding blocks for export", registry=r)
+        self.parked_requests = Gauge("tandem_worker_parked_requests", "Requests out of the batch "
+                                     "while their reader is behind (engine/output_stream.py)",
+                                     registry=r)
         self._vllm(r, model)
 
     def _vllm(self, r: CollectorRegistry, model: str) -> None:
@@ -110,6 +113,7 @@ class WorkerMetrics:
         self.free_blocks.set(stats["free_blocks"])
         self.kv_usage.set(usage)
         self.held_requests.set(stats["held"])
+        self.parked_requests.set(stats["parked"])
         self.vllm_running.set(stats["running"])
         self.vllm_waiting.set(stats["waiting"])
         self.vllm_kv_usage.set(usage)

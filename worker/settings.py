@@ -94,6 +94,19 @@ class WorkerSettings(BaseSettings):
                                        "start to end")
     pull_timeout_s: float = Field(10.0, description="one KV pull; past it the request is "
                                   "prefilled locally")
+    max_unread_tokens: int = Field(64, ge=0, description="a generation whose reader (the "
+                                   "router's stream, an OpenAI client) has left this many tokens "
+                                   "unread is parked: out of the batch, costing the others no "
+                                   "compute, its KV blocks kept until blocks run short, resumed "
+                                   "when the reader has caught up to half of this; 0: never parked")
+    parked_timeout_s: float = Field(30.0, gt=0, description="a generation parked this long is "
+                                    "aborted and its blocks freed (as the router's "
+                                    "--stream-write-timeout-s cuts a client that reads nothing)")
+    send_buffer_bytes: int | None = Field(16 << 10, ge=1, description="kernel send buffer of each "
+                                          "connection: how much of a stream a reader that reads "
+                                          "nothing absorbs before the worker's writes wait and "
+                                          "its unread tokens count (none: the kernel's "
+                                          "autotuning, MBs)")
     max_queue: int = Field(256, description="prefills waiting beyond this get 503 + Retry-After")
     max_body_bytes: int = Field(64 << 20, description="largest request body (internal requests "
                                 "carry token ids: 1M tokens is ~8 MB)")
@@ -111,7 +124,8 @@ class WorkerSettings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold or None,
             num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, max_unread_tokens=self.max_unread_tokens or None,
+            parked_timeout_s=self.parked_timeout_s,
         )
 
     @property
