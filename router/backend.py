@@ -9,6 +9,7 @@ come back as ids, so routing, stop strings, resume and detokenization are the sa
 from __future__ import annotations
 
 import functools
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -136,12 +137,14 @@ class stream:
     count covers the whole stream."""
 
     def __init__(self, http, w: WorkerInfo, path: str, headers: dict, body: dict,
-                 timeout: aiohttp.ClientTimeout, read_bufsize: int | None = None) -> None:
+                 timeout: aiohttp.ClientTimeout, read_bufsize: int | None = None,
+                 receive_buffer_bytes: int | None = None) -> None:
         self.http, self.w, self.path, self.headers, self.body = http, w, path, headers, body
         self.timeout = timeout
         # What aiohttp buffers of the body before it stops reading the socket (twice this):
         # the backpressure point when the router's consumer (a client) does not read.
         self.options = {"read_bufsize": read_bufsize} if read_bufsize else {}
+        self.receive_buffer_bytes = receive_buffer_bytes
         self._cm = None
 
     async def __aenter__(self):
@@ -150,6 +153,8 @@ class stream:
             self._cm = self.http.post(url(self.w.url, self.path), data=orjson.dumps(self.body),
                                       headers=self.headers, timeout=self.timeout, **self.options)
             r = await self._cm.__aenter__()
+            if self.receive_buffer_bytes:
+                _bound_receive_buffer(r, self.receive_buffer_bytes)
             if r.status >= 400:
                 raw = await r.read()
                 await self._cm.__aexit__(None, None, None)
@@ -170,6 +175,17 @@ class stream:
         if isinstance(e, aiohttp.ClientError | TimeoutError):
             raise WorkerFailure(f"{self.w.worker_id}: {e!r}") from e
         return False
+
+
+def _bound_receive_buffer(r: aiohttp.ClientResponse, size: int) -> None:
+    """Fix the kernel receive buffer of the connection `r` is read from (the kernel doubles
+    `size`). Autotuned, it grows to MBs while a stream is read quickly, and all of it fills
+    before a worker's writes wait, so a worker would see a reader that stopped late: its
+    unread tokens count only past every buffer on the way (engine/output_stream.py)."""
+    transport = r.connection.transport if r.connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,9 +10,12 @@ from common.protocol import PrefillResponse, StreamEvent
 from router.backend import HTTPBackend, WorkerFailure, get_json, parse, post_json, stream
 
 # A decode stream's read buffer: aiohttp stops reading the worker's socket past twice this,
-# so a client that does not read holds ~128 KiB per choice in the router (with 1 MiB, an
+# so a client that does not read holds ~32 KiB per choice in the router (with 1 MiB, an
 # unread n=8 request with top_logprobs grew the router by 9 MB), and the worker's writes wait.
-STREAM_READ_BUFSIZE = 64 << 10
+# The socket's own kernel buffer is fixed too (autotuned, MBs): the worker parks a generation
+# whose stream is not read only once every buffer between it and the client is full.
+STREAM_READ_BUFSIZE = 16 << 10
+STREAM_RECEIVE_BUFFER = 16 << 10
 MAX_EVENT_LINE = 2 << 20  # one NDJSON event may be longer than the buffer (read on demand)
 
 
@@ -33,7 +36,7 @@ class TandemBackend(HTTPBackend):
             # Opaque to the router: exactly the fields the prefill worker signed.
             body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
         async with stream(self.http, w, "/generate", self.headers, body, self.stream_timeout,
-                          STREAM_READ_BUFSIZE) as r:
+                          STREAM_READ_BUFSIZE, STREAM_RECEIVE_BUFFER) as r:
             last = None
             while line := await _next_line(w, r.content):  # NDJSON: one event per line
                 line = line.strip()
