@@ -22,6 +22,7 @@ from common.block_events import MAX_HASHES_PER_ENTRY
 from common.registry import EVENT_SHARDS, RedisKeys
 from tandem.cluster import REDIS_URL, Router, Worker, series_sum
 from tests.polling import wait_for
+from tests.security.slow_client import UnreadStream
 
 pytestmark = pytest.mark.redis
 
@@ -196,24 +197,12 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(cluster):
     assert inflight(r) == 0
 
 
-def _unread_stream(port: int, max_tokens: int, n: int = 8) -> socket.socket:
-    """A streaming chat request for `n` choices with 20 top logprobs each, sent on a socket with
-    a 4 KiB receive buffer; the first bytes of the stream are read, then nothing more."""
-    body = json.dumps({"model": MODEL, "n": n, "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    s = socket.socket()
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", port))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
-        s.recv(1024)  # the stream started; then never read again
-    except BaseException:
-        s.close()
-        raise
-    return s
+def _unread_stream(port: int, max_tokens: int, n: int = 8) -> UnreadStream:
+    """A streaming chat request for `n` choices with 20 top logprobs each that its client stops
+    reading after the first bytes (on a socket with a 4 KiB receive buffer)."""
+    return UnreadStream(port, {"n": n, "max_tokens": max_tokens, "ignore_eos": True,
+                               "logprobs": True, "top_logprobs": 20,
+                               "messages": [{"role": "user", "content": "hi"}]})
 
 
 def test_a_streaming_client_that_stops_reading_is_cut_and_frees_its_slot(cluster):
@@ -248,7 +237,7 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
     request with `top_logprobs: 20` that its client did not read grew the router by 18 MB
     (n x max_tokens x ~1.4 KB). A router with a write deadline long enough not to cut the
     stream: once the workers stop producing, the router has grown by a fraction of what the
-    request would have buffered (each choice holds 32 frames and a 128 KiB read buffer; the
+    request would have buffered (each choice holds 32 frames and a 32 KiB read buffer; the
     rest waits in the worker's stream, whose writes wait on the router)."""
     _, p, d = cluster
     quiet(p, d)
