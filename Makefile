@@ -43,7 +43,7 @@ test: install tools
 test-vllm: install
 	bash bench/setup_vllm_cpu.sh
 	$(BIN)/tandem prepare-model
-	$(BIN)/python -m pytest -m vllm tests/router/test_vllm_backend.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m vllm tests/router/test_vllm_backend.py tests/vllm_bridge/test_vllm_routing.py $(PYTEST_ARGS)
 
 # The compose demo built and run for real (a Docker engine and docker-compose; without a registry
 # the images are built on local bases, cached under /var/cache/tandem-docker): docs/deployment.md.

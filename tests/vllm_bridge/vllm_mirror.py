@@ -1,0 +1,95 @@
+"""The end-to-end tests' own record of what one vLLM server holds, from its KV events, written
+apart from the bridge (raw msgpack, no vllm_bridge code): the oracle the published block set is
+compared with.
+
+A thread subscribes to the server's PUB socket before any request is sent and keeps every block
+vLLM reported (its parent and tokens) and which of them are still held. `own_hashes(seed)` names
+the held ones in Tandem's hashes: the chain over their tokens from the seed (common/hashing.py),
+as the router hashes a prompt. Any batch missed (a seq other than the next) is counted in
+`gaps`: a test asserts there were none, so the oracle cannot be silently incomplete.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import zmq
+
+from common.hashing import hash_blocks
+
+
+class VLLMEventMirror:
+    def __init__(self, endpoint: str, block_size: int) -> None:
+        self.block_size = block_size
+        self.gaps = 0
+        self.num_stored = 0
+        self.num_removed = 0
+        self._known: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # vLLM hash -> parent, tokens
+        self._held: set[int] = set()  # vLLM hashes
+        self._next_seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def restarted(self) -> None:
+        """The server was restarted: it holds nothing and counts batches from 0 again."""
+        with self._lock:
+            self._held.clear()
+            self._next_seq = 0
+
+    def own_hashes(self, seed: int) -> set[int]:
+        """The blocks the server holds now, in Tandem's hashes."""
+        with self._lock:
+            held, known = set(self._held), dict(self._known)
+        own: dict[int, int] = {}
+
+        def name(h: int) -> int:
+            if h not in own:
+                parent, tokens = known[h]
+                own[h] = hash_blocks(list(tokens), self.block_size, seed,
+                                     None if parent is None else name(parent))[0]
+            return own[h]
+
+        return {name(h) for h in held}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            seq = int.from_bytes(frames[1], "big")
+            _ts, events, *_ = msgspec.msgpack.decode(frames[2])
+            with self._lock:
+                if seq != self._next_seq:
+                    self.gaps += 1
+                self._next_seq = seq + 1
+                for ev in events:
+                    self._apply(ev)
+
+    def _apply(self, ev: dict) -> None:
+        kind = ev["type"]
+        if kind == "BlockStored":
+            bs = ev["block_size"]
+            assert bs == self.block_size, ev
+            parent = ev["parent_block_hash"]
+            for i, h in enumerate(ev["block_hashes"]):
+                self._known[h] = (parent, tuple(ev["token_ids"][i * bs:(i + 1) * bs]))
+                self._held.add(h)
+                parent = h
+            self.num_stored += len(ev["block_hashes"])
+        elif kind == "BlockRemoved":
+            self._held.difference_update(ev["block_hashes"])
+            self.num_removed += len(ev["block_hashes"])
+        elif kind == "AllBlocksCleared":
+            self._held.clear()
