@@ -1,4 +1,4 @@
-"""Exact KV-aware routing over real vLLM CPU servers (issue 29): each server runs with KV events
+"""Exact KV-aware routing over real vLLM CPU servers: each server runs with KV events
 on and a `tandem vllm-bridge` beside it, registered in a real Redis namespace; Tandem's router
 finds them there (no static list) and routes on the blocks the bridges publish.
 
