@@ -203,16 +203,7 @@ class MemoryPrefixIndex:
         pass
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
-        out = {}
-        for w in worker_ids:
-            held = self._sets.get(w, {})
-            n = 0
-            for h in block_hashes:
-                if h not in held:
-                    break
-                n += 1
-            out[w] = n
-        return out
+        return {w: leading_count(block_hashes, self._sets.get(w, {})) for w in worker_ids}
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         held = self._sets.setdefault(worker_id, {})
@@ -222,3 +213,12 @@ class MemoryPrefixIndex:
         while len(held) > self.max_blocks:
             held.pop(next(iter(held)))
 
+
+def leading_count(block_hashes: list[int], held) -> int:
+    """How many leading hashes of `block_hashes` are in `held` (stops at the first miss)."""
+    n = 0
+    for h in block_hashes:
+        if h not in held:
+            break
+        n += 1
+    return n

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from router.index import leading_count
+
 
 class SpeculativeIndex:
     """Per worker, block hashes routed there in the last `ttl_s` seconds (at most
@@ -44,13 +46,7 @@ class SpeculativeIndex:
         now = self._clock()
         out = dict.fromkeys(worker_ids, 0)
         for w in worker_ids:
-            held = self._prune(w, now)
-            n = 0
-            for h in block_hashes:
-                if h not in held:
-                    break
-                n += 1
-            out[w] = n
+            out[w] = leading_count(block_hashes, self._prune(w, now))
         return out
 
     def forget(self, known_ids) -> None:

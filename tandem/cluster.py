@@ -145,15 +145,20 @@ class Worker:
         self.proc.wait(15)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 20)
         self.client.close()
         self.log.close()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT (each service drains and exits 0 on it), SIGKILL after `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @contextmanager
@@ -254,12 +259,7 @@ class Router:
         return scrape(self.client)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 15)
         self.client.close()
         self.log.close()
 

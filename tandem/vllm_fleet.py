@@ -5,7 +5,6 @@ and its block set."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import redis
 
 from common.hashing import member_hash
 from common.registry import RedisKeys
-from tandem.cluster import REDIS_URL, ROOT
+from tandem.cluster import REDIS_URL, ROOT, stop_process
 from tandem.vllm_server import VLLMServer
 
 
@@ -44,13 +43,7 @@ class VLLMBridge:
                                      stderr=subprocess.STDOUT)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 15)
         self._log.close()
 
 
