@@ -143,11 +143,7 @@ def test_registers_and_mirrors_the_cache_as_router_hashes():
 def test_a_vllm_restart_empties_the_set_in_a_new_epoch():
     async def go():
         async with world() as w:
-            await until(w.registration, "the registration")
-            await w.pub.subscribed(WAIT_S)
-            await w.publish(lambda ts: stored([11, 12, 13], TOKENS, ts=ts))
-            await until(lambda: w.set_is(w.hasher(TOKENS)), "the stored blocks")
-            epoch = (await w.registration()).events.split(":")[0]
+            epoch = await _holding_tokens(w)
 
             await w.pub.restart()  # seqs from 0, nothing published: its cache is empty
             await until(lambda: w.set_is([]), "the empty set")
@@ -164,11 +160,7 @@ def test_a_vllm_restart_empties_the_set_in_a_new_epoch():
 def test_unhealthy_vllm_is_deregistered_and_comes_back_in_a_new_epoch():
     async def go():
         async with world() as w:
-            await until(w.registration, "the registration")
-            await w.pub.subscribed(WAIT_S)
-            await w.publish(lambda ts: stored([11, 12, 13], TOKENS, ts=ts))
-            await until(lambda: w.set_is(w.hasher(TOKENS)), "the stored blocks")
-            epoch = (await w.registration()).events.split(":")[0]
+            epoch = await _holding_tokens(w)
 
             w.server.healthy = False
             await until(lambda: _none(w.registration()), "the deregistration")
@@ -201,10 +193,7 @@ def test_a_new_vllm_process_seen_by_its_start_time_re_registers():
 def test_bad_payloads_are_skipped_and_empty_what_may_be_stale():
     async def go():
         async with world() as w:
-            await until(w.registration, "the registration")
-            await w.pub.subscribed(WAIT_S)
-            await w.publish(lambda ts: stored([11, 12, 13], TOKENS, ts=ts))
-            await until(lambda: w.set_is(w.hasher(TOKENS)), "the stored blocks")
+            await _holding_tokens(w)
             await w.pub.publish(b"\xc1 not msgpack")  # one lost batch may have removed blocks
             await until(lambda: w.set_is([]), "the emptied set")
             await w.publish(lambda ts: stored([21, 22], MORE, ts=ts))
@@ -283,6 +272,15 @@ def test_the_command_registers_and_leaves_on_sigterm():
                     await w.redis.delete(keys.events(shard))
 
     asyncio.run(go())
+
+
+async def _holding_tokens(w: World) -> str:
+    """Registered, subscribed and holding TOKENS' three blocks; returns the set's epoch."""
+    await until(w.registration, "the registration")
+    await w.pub.subscribed(WAIT_S)
+    await w.publish(lambda ts: stored([11, 12, 13], TOKENS, ts=ts))
+    await until(lambda: w.set_is(w.hasher(TOKENS)), "the stored blocks")
+    return (await w.registration()).events.split(":")[0]
 
 
 async def _new_epoch(w: World, epoch: str) -> bool:
