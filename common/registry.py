@@ -76,6 +76,7 @@ class WorkerLoad(BaseModel):
 
     running: int = _COUNT
     waiting: int = _COUNT
+    parked: int = _COUNT  # requests whose reader fell behind (engine/output_stream.py)
     free_blocks: int = _COUNT
     num_blocks: int = _COUNT
     held: int = _COUNT
