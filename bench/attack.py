@@ -1,15 +1,18 @@
 """A victim's latency while hostile clients attack the cluster (issue 28).
 
-    .venv/bin/python bench/attack.py [--requests 40] [--out bench/results/attack.json]
+    .venv/bin/python bench/attack.py [--requests 40] [--min-phase-s 10] [--attacks a,b]
+                                     [--out bench/results/attack.json]
 
 One real cluster (tiny-random: a prefill worker, a decode worker, a router, Redis) serves a
-victim that sends `--requests` completions back to back (8 tokens each), first idle, then while
-each attack runs (at most 50 connections; each attack alone):
+victim that sends completions back to back (8 tokens each; at least `--requests`, for at least
+`--min-phase-s`, so a phase spans an attack's cycle of connect, stall and cut), first idle, then
+while each attack runs (at most 50 connections; each attack alone):
   grammar_bombs  8 clients loop `((a{1000}){1000})`-style constraints with n=8 (refused: 400)
   n_orphans      8 clients loop n=8 requests whose last choice is invalid (seed overflow) and
                  1,500 tokens each (refused before any choice starts)
   slow_readers   8 clients open n=8 streams with top_logprobs 20 and never read (cut after the
-                 stream write deadline, reconnecting)
+                 stream write deadline; each reconnects once it sees the cut, or once the
+                 deadline has passed: a FIN queued behind the unread stream never arrives)
   slowloris      40 connections send headers a byte a second (closed at the header deadline,
                  reconnecting)
 The victim and the attackers are told apart as a gateway tells clients apart: by API key
@@ -54,10 +57,16 @@ BOMBS = [{"guided_regex": "((a{1000}){1000})"}, {"guided_regex": "(a{10000}){100
          {"guided_grammar": "start: /((ab){1000}){1000}/"}]
 
 
-def victim(url: str, n: int) -> tuple[list[float], dict[int, int]]:
+WRITE_TIMEOUT_S = 5.0  # the router's --stream-write-timeout-s
+
+
+def victim(url: str, n: int, min_s: float = 0.0) -> tuple[list[float], dict[int, int]]:
     ms, statuses = [], {}
+    end = time.monotonic() + min_s
     with httpx.Client(timeout=120, headers=VICTIM) as c:
-        for i in range(n):
+        i = 0
+        while i < n or time.monotonic() < end:
+            i += 1
             t0 = time.perf_counter()
             r = c.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": f"victim {i}",
                                                      "max_tokens": 8, "temperature": 0})
@@ -117,6 +126,9 @@ def slow_reader(url: str, stop: threading.Event, got: list, i: int) -> None:
                 if _closed(s):
                     got.append(round(time.monotonic() - t0, 1))
                     break
+                if time.monotonic() - t0 > WRITE_TIMEOUT_S + 2:
+                    got.append(None)  # cut by now, unseen: a new stream
+                    break
         except OSError:
             pass
         finally:
@@ -167,7 +179,9 @@ def attacker_process(name: str, url: str, stop, out) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=40, help="victim requests per phase")
+    ap.add_argument("--requests", type=int, default=40, help="victim requests per phase (at least)")
+    ap.add_argument("--min-phase-s", type=float, default=10.0, help="victim seconds per phase (at least)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="which, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attack.json"))
     ap.add_argument("--client-max-requests", type=int, default=2, help="0: no limit")
     ap.add_argument("--client-max-running", type=int, default=8, help="0: no limit")
@@ -191,33 +205,38 @@ def main() -> None:
         procs.append(Worker("prefill", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
         procs.append(Worker("decode", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
         router = Router(folder, ns, cache_dir=work, extra=[
-            "--stream-write-timeout-s", "5", "--header-timeout-s", "5",
+            "--stream-write-timeout-s", str(WRITE_TIMEOUT_S), "--header-timeout-s", "5",
             "--api-key", "victim-key", "--api-key", "attacker-key", *limits])
         procs.append(router)
         router.wait_workers(2)
         victim(router.url, 5)  # warm up
-        ms, statuses = victim(router.url, args.requests)
-        result = {"victim_requests": args.requests, "router_limits": limits,
+        ms, statuses = victim(router.url, args.requests, args.min_phase_s)
+        result = {"victim_requests": args.requests, "min_phase_s": args.min_phase_s,
+                  "router_limits": limits,
                   "load_average_start": os.getloadavg(),
-                  "idle": {**summary(ms), "statuses": statuses}}
+                  "idle": {**summary(ms), "requests": len(ms), "statuses": statuses}}
         print("idle", result["idle"], flush=True)
         mp = multiprocessing.get_context("spawn")
-        for name, (_, clients) in ATTACKS.items():
+        for name in args.attacks.split(","):
+            clients = ATTACKS[name][1]
             stop, out = mp.Event(), mp.Queue()
             proc = mp.Process(target=attacker_process, args=(name, router.url, stop, out))
             proc.start()
             time.sleep(4.0)  # the attack is under way (the process imports, then connects)
-            ms, statuses = victim(router.url, args.requests)
+            ms, statuses = victim(router.url, args.requests, args.min_phase_s)
             stop.set()
             got = out.get(timeout=60)
             proc.join(30)
-            row = {**summary(ms), "statuses": statuses, "attack_connections": clients,
+            row = {**summary(ms), "requests": len(ms), "statuses": statuses,
+                   "attack_connections": clients,
                    "p50_vs_idle": round(summary(ms)["p50_ms"] / result["idle"]["p50_ms"], 2),
                    "p99_vs_idle": round(summary(ms)["p99_ms"] / result["idle"]["p99_ms"], 2)}
             if name in ("grammar_bombs", "n_orphans"):
                 row["attacker_statuses"] = {str(s): got.count(s) for s in sorted(set(got))}
             else:
-                row["attacker_cut_after_s"] = summary([x * 1000 for x in got]) if len(got) > 1 else got
+                seen = [x for x in got if x is not None]
+                row["attacker_streams_ended"] = len(got)  # cut seen, or past the deadline
+                row["attacker_cut_after_s"] = summary([x * 1000 for x in seen]) if len(seen) > 1 else seen
             result[name] = row
             print(name, row, flush=True)
             time.sleep(3.0)  # what the attack left running drains before the next phase
