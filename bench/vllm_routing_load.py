@@ -1,10 +1,15 @@
 """What bench/vllm_routing.py sends and counts: the multi-turn load spread over several
 endpoints, the ideal's floor from token counts, and a tally of the KV events the servers publish
-(how many bytes and blocks a `kv_cache_report_mode: full` run adds)."""
+(how many bytes and blocks a `kv_cache_report_mode: full` run adds), and the scenarios: traffic
+that bypasses the router and a restart in the middle of the run."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -14,30 +19,95 @@ from loadgen.runner import RequestRecord, RunConfig, Runner
 from loadgen.workload import Session
 
 
-class SpreadRunner(Runner):
-    """loadgen's closed loop over several endpoints: turn i of conversation s goes to endpoint
-    (s + i) % n (router replicas: no replica sees a whole conversation), or with `sticky` to
-    endpoint s % n (each conversation pinned to one server: the ideal)."""
+@dataclass(frozen=True)
+class Scenario:
+    """What happens to a run: `routers` replicas of the arm's router; `out_of_band`: each
+    conversation's odd turns go straight to a server of the client's own choosing (seeded, the
+    same in every arm), as another client or router of the fleet would send them; `pause`:
+    when the middle conversation reaches its middle turn the load pauses, in-flight requests
+    finish and `"server"`
+    restarts the second vLLM server or `"router"` restarts the arm's routers, then it resumes."""
 
-    def __init__(self, config: RunConfig, urls: list[str], sticky: bool = False) -> None:
+    routers: int = 1
+    out_of_band: bool = False
+    pause: str | None = None
+
+
+class MidRunPause:
+    """Runs `action` (blocking, in a thread) when conversation `at[0]` is about to send its turn
+    `at[1]`, once the requests in flight have finished; every request after that waits for it.
+    A point in the middle of conversations (the others in flight are mid-way too), the same in
+    every arm."""
+
+    def __init__(self, at: tuple[int, int], action: Callable[[], None]) -> None:
+        self.at, self.action = at, action
+        self.num_in_flight = 0
+        self._firing = False
+        self._done = asyncio.Event()
+
+    async def enter(self, session_id: int, turn: int) -> None:
+        if (session_id, turn) == self.at and not self._firing:
+            self._firing = True
+            while self.num_in_flight:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(self.action)
+            self._done.set()
+        elif self._firing:
+            await self._done.wait()
+        self.num_in_flight += 1
+
+    def exit(self) -> None:
+        self.num_in_flight -= 1
+
+
+class SpreadRunner(Runner):
+    """loadgen's closed loop over several endpoints. Through routers (`urls`, replaceable while
+    paused): turn i of conversation s goes to router (s + i) % n, so no replica sees a whole
+    conversation. `sticky` (the ideal, `urls` are the servers): turn 0 to server s % n, every
+    later turn to the server of the turn before. With `out_of_band_servers`, odd turns go to a
+    server drawn from (seed, s, i) instead, whatever the arm."""
+
+    def __init__(self, config: RunConfig, urls: list[str], sticky: bool = False,
+                 out_of_band_servers: list[str] | None = None,
+                 pause: MidRunPause | None = None) -> None:
         super().__init__(config)
         self.urls = urls
         self.sticky = sticky
+        self.out_of_band_servers = out_of_band_servers
+        self.pause = pause
+
+    def _url(self, s: int, i: int, previous: str | None) -> str:
+        if self.out_of_band_servers and i % 2 == 1:
+            rng = random.Random(f"{self.config.seed}-{s}-{i}")
+            return self.out_of_band_servers[rng.randrange(len(self.out_of_band_servers))]
+        if self.sticky:
+            return previous or self.urls[s % len(self.urls)]
+        return self.urls[(s + i) % len(self.urls)]
 
     async def _session(self, http: httpx.AsyncClient, s: Session) -> None:
-        clients = [httpx.AsyncClient(base_url=u, timeout=self.config.timeout_s) for u in self.urls]
+        clients: dict[str, httpx.AsyncClient] = {}
         try:
             messages = [{"role": "system", "content": s.system}] if s.system else []
+            url = None
             for i, turn in enumerate(s.turns):
                 messages.append({"role": "user", "content": turn.user})
-                client = clients[(s.session_id + (0 if self.sticky else i)) % len(clients)]
-                rec, text = await self._one(client, s.session_id, i, messages, turn.max_tokens)
+                if self.pause:
+                    await self.pause.enter(s.session_id, i)
+                try:
+                    url = self._url(s.session_id, i, url)
+                    if url not in clients:
+                        clients[url] = httpx.AsyncClient(base_url=url, timeout=self.config.timeout_s)
+                    rec, text = await self._one(clients[url], s.session_id, i, messages,
+                                                turn.max_tokens)
+                finally:
+                    if self.pause:
+                        self.pause.exit()
                 self.records.append(rec)
                 if rec.error:
                     return
                 messages.append({"role": "assistant", "content": text})
         finally:
-            for c in clients:
+            for c in clients.values():
                 await c.aclose()
 
 
