@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import time
 import uuid
@@ -63,13 +62,14 @@ from vllm_routing_load import (  # noqa: E402
     MidRunPause,
     Scenario,
     SpreadRunner,
+    VLLMRouterProc,
     prev_prompt_hits,
 )
 
 from loadgen.report import percentiles  # noqa: E402
 from loadgen.runner import RunConfig  # noqa: E402
 from loadgen.workload import multi_turn  # noqa: E402
-from tandem.cluster import REDIS_URL, TOKEN, Router, free_port  # noqa: E402
+from tandem.cluster import REDIS_URL, TOKEN, Router  # noqa: E402
 from tandem.vllm_fleet import FleetIndex, VLLMBridge  # noqa: E402
 from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer  # noqa: E402
 
@@ -91,37 +91,6 @@ SCENARIO_NOTES = {
 }
 
 
-class VLLMRouterProc:
-    """A `vllm-router` process over the two servers."""
-
-    def __init__(self, servers: list[VLLMServer], policy: str, log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(ROOT / ".venv" / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
-               str(self.port), "--policy", policy, "--worker-urls", *[s.url for s in servers],
-               "--prometheus-port", str(free_port())]
-        if policy == "kv_aware":
-            for s in servers:
-                cmd += ["--kv-event-source", f"{s.url}={s.events_endpoint}",
-                        "--kv-event-replay-source", f"{s.url}={s.replay_endpoint}"]
-            cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
-        self.log = open(log_dir / f"vllm-router-{self.port}.log", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not start; see {self.log.name}")
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(15)
-        self.log.close()
-
-
 def start_routers(arm: str, n: int, servers, folder: Path, namespace: str, log_dir: Path) -> list:
     static = [a for s in servers for a in ("--worker", f"vllm:colocated={s.url}")]
     out = []
@@ -136,7 +105,7 @@ def start_routers(arm: str, n: int, servers, folder: Path, namespace: str, log_d
                        redis_url=None, extra=static)
         else:
             policy = "cache_aware" if arm == "vllm-router-cache-aware" else "kv_aware"
-            out.append(VLLMRouterProc(servers, policy, log_dir))
+            out.append(VLLMRouterProc(servers, policy, log_dir, BLOCK_SIZE))
             continue
         out.append(r)
         r.wait_workers(len(servers), timeout=60)

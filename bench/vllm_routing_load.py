@@ -6,10 +6,14 @@ that bypasses the router and a restart in the middle of the run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -17,6 +21,8 @@ import zmq
 
 from loadgen.runner import RequestRecord, RunConfig, Runner
 from loadgen.workload import Session
+from tandem.cluster import ROOT, free_port
+from tandem.vllm_server import MODEL
 
 
 @dataclass(frozen=True)
@@ -159,3 +165,34 @@ class EventTally:
             _ts, events, *_ = msgspec.msgpack.decode(frames[-1])
             self.num_stored_blocks += sum(len(e.get("block_hashes", ())) for e in events
                                           if isinstance(e, dict) and e.get("type") == "BlockStored")
+
+
+class VLLMRouterProc:
+    """A `vllm-router` process over the two servers."""
+
+    def __init__(self, servers: list, policy: str, log_dir: Path, block_size: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(ROOT / ".venv" / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
+               str(self.port), "--policy", policy, "--worker-urls", *[s.url for s in servers],
+               "--prometheus-port", str(free_port())]
+        if policy == "kv_aware":
+            for s in servers:
+                cmd += ["--kv-event-source", f"{s.url}={s.events_endpoint}",
+                        "--kv-event-replay-source", f"{s.url}={s.replay_endpoint}"]
+            cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
+        self.log = open(log_dir / f"vllm-router-{self.port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-router did not start; see {self.log.name}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(15)
+        self.log.close()
