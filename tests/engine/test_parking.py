@@ -6,18 +6,16 @@ import asyncio
 
 import pytest
 
-from common.hashing import BlockHasher
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.block_pool import BlockPool
 from engine.core_client import ProcessEngine
-from engine.kv_cache_manager import KVCacheManager
 from engine.output import RequestOutput
 from engine.output_stream import OutputStream
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from tests.engine.scheduling import BLOCK, make_scheduler, plan
+from tests.engine.scheduling import add as add_sequence
 
-BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = {"a": [5, 9, 13, 17, 21, 25], "b": [7, 11, 19, 23, 29], "c": [3, 6, 12, 24, 48, 96, 192]}
 
@@ -26,23 +24,11 @@ PROMPTS = {"a": [5, 9, 13, 17, 21, 25], "b": [7, 11, 19, 23, 29], "c": [3, 6, 12
 
 
 def scheduler(num_blocks: int = 256, max_num_seqs: int = 16) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), BLOCK, BlockHasher("m", BLOCK))
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    return make_scheduler(num_blocks, max_num_seqs)
 
 
 def add(s: Scheduler, rid: str, num_tokens: int) -> Sequence:
-    seq = Sequence(rid, [(7 * i + len(rid)) % 200 for i in range(num_tokens)], SamplingParams(max_tokens=64))
-    s.add(seq)
-    return seq
-
-
-def plan(s: Scheduler) -> dict[str, int]:
-    out = s.schedule()
-    for item in out.scheduled:  # what the engine does after the model step
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if item.samples:
-            item.seq.output_token_ids.append(1)
-    return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+    return add_sequence(s, rid, num_tokens, max_tokens=64)
 
 
 def test_a_parked_sequence_is_not_scheduled_and_keeps_its_blocks():

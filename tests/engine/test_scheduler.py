@@ -1,35 +1,13 @@
 """The scheduler's step plans: long prompts are prefilled one after another (short ones still
 share a step), and the outputs do not depend on it."""
 
-from common.hashing import BlockHasher
 from engine import LLM, SamplingParams
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-
-BLOCK = 4
+from tests.engine.scheduling import add, make_scheduler, plan
 
 
 def scheduler(threshold: int | None, budget: int = 2048) -> Scheduler:
-    kv = KVCacheManager(BlockPool(4096, enable_caching=False), BLOCK, BlockHasher("m", BLOCK))
-    return Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=budget,
-                     long_prefill_token_threshold=threshold)
-
-
-def add(s: Scheduler, rid: str, num_tokens: int) -> Sequence:
-    seq = Sequence(rid, [(7 * i + len(rid)) % 200 for i in range(num_tokens)], SamplingParams(max_tokens=8))
-    s.add(seq)
-    return seq
-
-
-def plan(s: Scheduler) -> dict[str, int]:
-    out = s.schedule()
-    for item in out.scheduled:  # what the engine does after the model step
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if item.samples:
-            item.seq.output_token_ids.append(1)
-    return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+    return make_scheduler(budget=budget, threshold=threshold)
 
 
 def test_long_prompts_are_prefilled_one_after_another():
