@@ -9,19 +9,17 @@ import asyncio
 import contextlib
 import random
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import msgspec
-import zmq
 
 from loadgen.runner import RequestRecord, RunConfig, Runner
 from loadgen.workload import Session
 from tandem.cluster import ROOT, free_port
+from tandem.vllm_fleet import EventTap
 from tandem.vllm_server import MODEL
 
 
@@ -133,38 +131,22 @@ def prev_prompt_hits(records: list[RequestRecord], block_size: int) -> int:
     return total
 
 
-class EventTally:
+class EventTally(EventTap):
     """Counts one server's KV event batches as a second subscriber: payload bytes and the
     blocks named in BlockStored events (re-reported ones included)."""
 
     def __init__(self, endpoint: str) -> None:
         self.num_bytes = 0
         self.num_stored_blocks = 0
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(endpoint)
 
     def snapshot(self) -> tuple[int, int]:
         return self.num_bytes, self.num_stored_blocks
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            self.num_bytes += len(frames[-1])
-            _ts, events, *_ = msgspec.msgpack.decode(frames[-1])
-            self.num_stored_blocks += sum(len(e.get("block_hashes", ())) for e in events
-                                          if isinstance(e, dict) and e.get("type") == "BlockStored")
+    def on_batch(self, seq: int, payload: bytes, events: list) -> None:
+        self.num_bytes += len(payload)
+        self.num_stored_blocks += sum(len(e.get("block_hashes", ())) for e in events
+                                      if isinstance(e, dict) and e.get("type") == "BlockStored")
 
 
 class VLLMRouterProc:

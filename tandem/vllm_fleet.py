@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import msgspec
 import redis
+import zmq
 
 from common.hashing import member_hash
 from common.registry import RedisKeys
@@ -88,3 +91,34 @@ class FleetIndex:
         for key in self.redis.scan_iter(match=f"{self.keys.prefix}*"):
             self.redis.delete(key)
         self.redis.close()
+
+
+class EventTap:
+    """A second subscriber to one vLLM server's KV events, on a thread, decoded raw (msgpack, no
+    vllm_bridge code), so tests and benchmarks see what the server itself reports. A subclass
+    sets its own state, then calls `__init__`, and implements `on_batch`."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def on_batch(self, seq: int, payload: bytes, events: list) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()  # topic, seq (8 bytes big-endian), payload
+            _ts, events, *_ = msgspec.msgpack.decode(frames[2])
+            self.on_batch(int.from_bytes(frames[1], "big"), frames[2], events)

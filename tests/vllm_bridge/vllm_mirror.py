@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import threading
 
-import msgspec
-import zmq
-
 from common.hashing import hash_blocks
+from tandem.vllm_fleet import EventTap
 
 
-class VLLMEventMirror:
+class VLLMEventMirror(EventTap):
     def __init__(self, endpoint: str, block_size: int) -> None:
         self.block_size = block_size
         self.gaps = 0
@@ -29,13 +27,7 @@ class VLLMEventMirror:
         self._held: set[int] = set()  # vLLM hashes
         self._next_seq = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(endpoint)
 
     def restarted(self) -> None:
         """The server was restarted: it holds nothing and counts batches from 0 again."""
@@ -58,24 +50,13 @@ class VLLMEventMirror:
 
         return {name(h) for h in held}
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            seq = int.from_bytes(frames[1], "big")
-            _ts, events, *_ = msgspec.msgpack.decode(frames[2])
-            with self._lock:
-                if seq != self._next_seq:
-                    self.gaps += 1
-                self._next_seq = seq + 1
-                for ev in events:
-                    self._apply(ev)
+    def on_batch(self, seq: int, payload: bytes, events: list) -> None:
+        with self._lock:
+            if seq != self._next_seq:
+                self.gaps += 1
+            self._next_seq = seq + 1
+            for ev in events:
+                self._apply(ev)
 
     def _apply(self, ev: dict) -> None:
         kind = ev["type"]
