@@ -94,7 +94,9 @@ _Index = Annotated[int, Meta(ge=0, lt=1 << 16)]  # group index, data-parallel ra
 _LoraId = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
-class _MapStored(Struct, tag="BlockStored", tag_field="type"):
+# Each event's fields once; vLLM >= 0.32 sends them as tagged maps, older releases as tagged
+# arrays in this field order (the subclasses below differ only in that encoding).
+class _Stored(Struct):
     block_hashes: _Hashes
     parent_block_hash: _Hash | None
     token_ids: _TokenIds
@@ -107,33 +109,30 @@ class _MapStored(Struct, tag="BlockStored", tag_field="type"):
     kv_cache_spec_kind: _Name | None = None
 
 
-class _MapRemoved(Struct, tag="BlockRemoved", tag_field="type"):
+class _Removed(Struct):
     block_hashes: _Hashes
     medium: _Name | None = None
     group_idx: _Index | None = None
+
+
+class _MapStored(_Stored, tag="BlockStored", tag_field="type"):
+    pass
+
+
+class _MapRemoved(_Removed, tag="BlockRemoved", tag_field="type"):
+    pass
 
 
 class _MapCleared(Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
-class _ArrayStored(Struct, tag="BlockStored", array_like=True):
-    block_hashes: _Hashes
-    parent_block_hash: _Hash | None
-    token_ids: _TokenIds
-    block_size: _BlockSize
-    lora_id: _LoraId | None = None
-    medium: _Name | None = None
-    lora_name: _Name | None = None
-    extra_keys: _ExtraKeys | None = None
-    group_idx: _Index | None = None
-    kv_cache_spec_kind: _Name | None = None
+class _ArrayStored(_Stored, tag="BlockStored", array_like=True):
+    pass
 
 
-class _ArrayRemoved(Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: _Hashes
-    medium: _Name | None = None
-    group_idx: _Index | None = None
+class _ArrayRemoved(_Removed, tag="BlockRemoved", array_like=True):
+    pass
 
 
 class _ArrayCleared(Struct, tag="AllBlocksCleared", array_like=True):
@@ -204,9 +203,9 @@ def _decode_event(raw: Raw, index: int) -> Event | None:
         if _tag(raw, shape, index) not in KNOWN_TYPES:
             return None
         raise ValueError(f"malformed event {index}: {e}") from e
-    if isinstance(wire, _MapStored | _ArrayStored):
+    if isinstance(wire, _Stored):
         return _stored(wire, index)
-    if isinstance(wire, _MapRemoved | _ArrayRemoved):
+    if isinstance(wire, _Removed):
         return BlockRemoved(wire.block_hashes, wire.medium, wire.group_idx or 0)
     return AllBlocksCleared()
 
@@ -225,7 +224,7 @@ def _tag(raw: Raw, shape: str, index: int) -> str:
     raise ValueError(f"event {index} has no type tag")
 
 
-def _stored(wire: _MapStored | _ArrayStored, index: int) -> BlockStored:
+def _stored(wire: _Stored, index: int) -> BlockStored:
     num_blocks, num_tokens = len(wire.block_hashes), len(wire.token_ids)
     # Blocks vLLM masked or nulled (sliding window) are left out of the hashes but not of the
     # tokens, so the tokens may cover more blocks than the hashes name, never fewer.
