@@ -13,8 +13,6 @@ hashed once per size, and each worker is matched and recorded in blocks of its o
 
 from __future__ import annotations
 
-import asyncio
-
 from router.models import ServedModel
 from router.policy import Plan
 from router.speculative import SpeculativeIndex
@@ -72,8 +70,7 @@ class PrefixLookup:
         for size, hashes in self.chains.items():
             group = [wid for wid in worker_ids if self._by_id[wid].block_size == size]
             if group:
-                found = source.match(hashes, group)
-                out.update(await found if asyncio.iscoroutine(found) else found)
+                out.update(await source.match(hashes, group))
         return out
 
     def record(self, plan: Plan, known_ids) -> None:

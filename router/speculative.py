@@ -41,8 +41,9 @@ class SpeculativeIndex:
         while len(held) > self.max_blocks_per_worker:
             held.pop(next(iter(held)))
 
-    def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
-        """Leading blocks of `block_hashes` routed to each worker within the TTL."""
+    async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` routed to each worker within the TTL (async, as
+        every index's `match`, though it never waits)."""
         now = self._clock()
         out = dict.fromkeys(worker_ids, 0)
         for w in worker_ids:

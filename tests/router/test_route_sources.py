@@ -77,7 +77,7 @@ def test_a_bridged_vllm_worker_is_matched_on_the_published_index(gateway):
     # Its prefill's report is not in yet: this router's own decision stands in for it, on the
     # speculative index, never on the published one (which only its bridge writes).
     assert gw.index.recorded == []
-    assert gw.recent.match(hashes, ["vllm-b"]) == {"vllm-b": len(hashes)}
+    assert asyncio.run(gw.recent.match(hashes, ["vllm-b"])) == {"vllm-b": len(hashes)}
     # The approximate index is for static vLLM workers only.
     assert asyncio.run(model.approx_index.match(hashes, ["vllm-b"])) == {"vllm-b": 0}
 
@@ -99,17 +99,17 @@ def test_speculative_entries_expire():
     now = [0.0]
     recent = SpeculativeIndex(ttl_s=2.0, max_blocks_per_worker=3, clock=lambda: now[0])
     recent.record("w", [1, 2, 3, 4])
-    assert recent.match([2, 3, 4], ["w", "x"]) == {"w": 3, "x": 0}  # oldest (1) dropped: bounded
+    assert asyncio.run(recent.match([2, 3, 4], ["w", "x"])) == {"w": 3, "x": 0}  # oldest (1) dropped: bounded
     now[0] = 1.5
     recent.record("w", [2])  # refreshed: lives on after 3 and 4 expire
     now[0] = 2.5
-    assert recent.match([2], ["w"]) == {"w": 1}
-    assert recent.match([3], ["w"]) == {"w": 0}
+    assert asyncio.run(recent.match([2], ["w"])) == {"w": 1}
+    assert asyncio.run(recent.match([3], ["w"])) == {"w": 0}
     recent.forget({})
-    assert recent.match([2], ["w"]) == {"w": 0}
+    assert asyncio.run(recent.match([2], ["w"])) == {"w": 0}
     off = SpeculativeIndex(ttl_s=0)
     off.record("w", [1])
-    assert off.match([1], ["w"]) == {"w": 0}
+    assert asyncio.run(off.match([1], ["w"])) == {"w": 0}
 
 
 def test_static_vllm_workers_stay_on_the_approximate_index(gateway):
@@ -137,7 +137,7 @@ def test_workers_of_one_model_at_two_block_sizes_are_matched_in_their_own_blocks
     plan = route(gw, model, PROMPT)
     # 3 blocks of 8 (24 tokens) beat 2 blocks of 4 (8 tokens); the plan counts its worker's blocks.
     assert plan.decode.worker_id == "vllm-b" and plan.cached_blocks == 3
-    assert gw.recent.match(eights, ["vllm-b"]) == {"vllm-b": 4}
+    assert asyncio.run(gw.recent.match(eights, ["vllm-b"])) == {"vllm-b": 4}
 
 
 def test_a_prefill_and_a_decode_worker_pair_only_within_one_backend_and_block_size(gateway):
