@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--client-max-requests", type=int, default=2, help="0: no limit")
     ap.add_argument("--client-max-running", type=int, default=8, help="0: no limit")
     ap.add_argument("--client-requests-per-s", type=float, default=20.0, help="0: no limit")
+    ap.add_argument("--router-arg", action="append", default=[], help="more router flags "
+                    "(repeat; e.g. --router-arg=--send-buffer-bytes=65536)")
+    ap.add_argument("--worker-arg", action="append", default=[], help="more flags of both workers")
     args = ap.parse_args()
     limits = []
     if args.client_max_requests:
@@ -202,17 +205,20 @@ def main() -> None:
     ns = f"attack-{uuid.uuid4().hex[:6]}"
     procs: list = []
     try:
-        procs.append(Worker("prefill", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
-        procs.append(Worker("decode", str(folder), cache_dir=work, namespace=ns, num_blocks=2048))
+        procs.append(Worker("prefill", str(folder), cache_dir=work, namespace=ns, num_blocks=2048,
+                            extra=args.worker_arg))
+        procs.append(Worker("decode", str(folder), cache_dir=work, namespace=ns, num_blocks=2048,
+                            extra=args.worker_arg))
         router = Router(folder, ns, cache_dir=work, extra=[
             "--stream-write-timeout-s", str(WRITE_TIMEOUT_S), "--header-timeout-s", "5",
-            "--api-key", "victim-key", "--api-key", "attacker-key", *limits])
+            "--api-key", "victim-key", "--api-key", "attacker-key", *limits, *args.router_arg])
         procs.append(router)
         router.wait_workers(2)
         victim(router.url, 5)  # warm up
         ms, statuses = victim(router.url, args.requests, args.min_phase_s)
         result = {"victim_requests": args.requests, "min_phase_s": args.min_phase_s,
-                  "router_limits": limits,
+                  "router_limits": limits, "router_args": args.router_arg,
+                  "worker_args": args.worker_arg,
                   "load_average_start": os.getloadavg(),
                   "idle": {**summary(ms), "requests": len(ms), "statuses": statuses}}
         print("idle", result["idle"], flush=True)

@@ -15,6 +15,7 @@ from common.bounds import (
     MAX_PROMPT_TOKENS,
     BlockHashes,
     BlockIds,
+    ClientTag,
     EngineId,
     Host,
     LeaseSeconds,
@@ -122,6 +123,7 @@ class PrefillRequest(BaseModel):
     prompt_token_ids: PromptTokenIds
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     lease_seconds: LeaseSeconds | None = None  # each worker caps it at its --max-lease-seconds
+    client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
 
 
 class PrefillResponse(BaseModel):
@@ -150,6 +152,7 @@ class GenerateRequest(BaseModel):
     output_token_ids: TokenIds = Field(default_factory=list)
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     kv_transfer_params: KVTransferParams | None = None
+    client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
 
 
 class RequestTiming(BaseModel):

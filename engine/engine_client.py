@@ -114,11 +114,12 @@ class EngineClient:
         params: SamplingParams,
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         stream = self.open_stream(request_id)
         try:
             await self.call("add_request", request_id, prompt_token_ids, params,
-                            output_token_ids, hold_blocks)
+                            output_token_ids, hold_blocks, client)
         except BaseException:
             self.close_stream(request_id)
             raise

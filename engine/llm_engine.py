@@ -95,14 +95,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      output_token_ids: list[int] | None) -> Sequence:
+                      output_token_ids: list[int] | None, client: str | None = None) -> Sequence:
         if request_id in self.requests or request_id in self.held or request_id in self.importing:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt, out = list(prompt_token_ids), list(output_token_ids or [])
         check_request(prompt, out, params, self.model_config.vocab_size, self.max_model_len)
         if self.kv.num_blocks_for(len(prompt) + len(out) + 1) > self.num_blocks:
             raise ValueError(f"prompt of {len(prompt) + len(out)} tokens does not fit in the KV cache")
-        seq = Sequence(request_id, prompt, params, self.eos_token_ids)
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids, client=client)
         seq.output_token_ids = out
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -126,16 +126,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
+        client: str | None = None,
     ) -> None:
-        """Queue a request. `output_token_ids` continue an earlier stream (resume)."""
+        """Queue a request. `output_token_ids` continue an earlier stream (resume); `client`
+        tags who sent it, for sharing the batch fairly (engine/fair_share.py)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
-                                 output_token_ids)
+                                 output_token_ids, client)
         seq.hold_blocks = hold_blocks
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
     def add_imported_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             output_token_ids: list[int] | None = None) -> tuple[Sequence, int]:
+                             output_token_ids: list[int] | None = None, client: str | None = None
+                             ) -> tuple[Sequence, int]:
         """Allocate blocks for a prompt whose KV comes from elsewhere.
 
         KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
@@ -144,12 +147,12 @@ class LLMEngine:
         already here (prefix cache hits); the caller fills the rest, then calls `finish_import`.
         Raises `MemoryError` when blocks are short (the caller retries or refuses).
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids, client)
         if self.pipeline is not None:
             self.pipeline.wait()  # a transfer must not race the step in flight's writes
         prefix = self.kv.computed_prefix(seq)
         num_needed = seq.num_tokens - 1 - len(prefix) * self.block_size
-        if not self.scheduler.allocate(seq, num_needed, prefix):
+        if not self.scheduler.allocate_fairly(seq, num_needed, prefix):
             raise MemoryError("not enough free KV blocks to import the request")
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.requests[request_id] = seq
@@ -157,11 +160,12 @@ class LLMEngine:
         return seq, len(prefix)
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       output_token_ids: list[int] | None = None) -> tuple[list[int], int]:
+                       output_token_ids: list[int] | None = None, client: str | None = None
+                       ) -> tuple[list[int], int]:
         """`add_imported_request` for another thread or process: (a copy of the block table,
         how many leading blocks are already here)."""
         seq, num_local = self.add_imported_request(request_id, prompt_token_ids, params,
-                                                   output_token_ids)
+                                                   output_token_ids, client)
         return list(seq.block_table), num_local
 
     def finish_import(self, request_id: str, success: bool) -> bool:
@@ -173,8 +177,7 @@ class LLMEngine:
         if success:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.kv.cache_computed_blocks(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(seq)
+            self.scheduler.add_computed(seq)
         else:
             # Keep the locally cached prefix; recompute everything after it.
             keep = seq.num_cached_tokens // self.block_size

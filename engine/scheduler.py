@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.fair_share import FairShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence, SequenceStatus
 
@@ -67,6 +68,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_computed(self, seq: Sequence) -> None:
+        """A sequence whose KV is in place (imported) joins the batch, or, when the batch is
+        full, waits with its blocks: admission then computes only its last token."""
+        if len(self.running) < self.max_num_seqs:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.add(seq)
+
     def has_work(self) -> bool:
         """Whether a step would compute anything (parked sequences wait for their reader)."""
         return bool(self.waiting or self.running)
@@ -75,6 +85,7 @@ class Scheduler:
         """Queue lengths, and the tokens the waiting sequences have yet to compute (a copy of the
         queue is summed: another thread may read this while the engine's thread steps)."""
         return {"running": len(self.running), "waiting": len(self.waiting), "parked": len(self.parked),
+                "preemptions": self.num_preemptions,
                 "waiting_tokens": sum(s.num_tokens - s.num_computed_tokens for s in list(self.waiting))}
 
     def park(self, seq: Sequence) -> bool:
@@ -118,10 +129,23 @@ class Scheduler:
                 return False
         return True
 
+    def allocate_fairly(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+        """`allocate` for a sequence outside the batch (an import, between steps): when blocks
+        are short, running sequences of a client that runs at least two more than `seq`'s give
+        theirs (engine/fair_share.py), as they would to a waiting sequence."""
+        while not self.allocate(seq, num_new_tokens, prefix_blocks):
+            donor = FairShare(self.running).donor(self.running, seq)
+            if donor is None:
+                return False
+            self.running.remove(donor)
+            self._preempt(donor)
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = list(self.running)
+        fair = FairShare(running)
         num_long = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -129,7 +153,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             num_long += self._is_long(seq.num_tokens - seq.num_computed_tokens)
             while not self.allocate(seq, num_new):
-                victim = running.pop()
+                victim = fair.victim(running[i:])
+                running.remove(victim)
+                fair.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -144,25 +170,53 @@ class Scheduler:
         if out.preempted:
             return out
         deferred: list[Sequence] = []  # long prompts waiting for the one in progress
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            seq = self.waiting[fair.next_waiting(self.waiting)]
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._give_way(seq, fair, out)
+                if freed is None:
+                    break
+                budget += freed
             prefix = self.kv.computed_prefix(seq) if not seq.block_table else []
             computed = len(prefix) * self.kv.block_size if prefix else seq.num_computed_tokens
             long = self._is_long(seq.num_tokens - computed)
             if long and num_long >= self.max_long_prefills:
-                deferred.append(self.waiting.popleft())
+                self.waiting.remove(seq)
+                deferred.append(seq)
                 continue
-            num_new = min(seq.num_tokens - computed, budget)
-            if not self.allocate(seq, num_new, prefix):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-            num_long += long
+            while not self.allocate(seq, min(seq.num_tokens - computed, budget), prefix):
+                freed = self._give_way(seq, fair, out)
+                if freed is None:
+                    break
+                budget += freed
+            else:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                fair.add(seq)
+                num_new = min(seq.num_tokens - computed, budget)
+                out.scheduled.append(self._scheduled(seq, num_new))
+                budget -= num_new
+                num_long += long
+                continue
+            break
         self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return out
+
+    def _give_way(self, seq: Sequence, fair: FairShare, out: SchedulerOutput) -> int | None:
+        """Preempt the running sequence that gives its place and blocks to `seq`
+        (engine/fair_share.py), taking it out of this step's plan; returns the tokens that
+        frees of the step's budget, or None if no client runs enough more than `seq`'s."""
+        donor = fair.donor(self.running, seq)
+        if donor is None:
+            return None
+        self.running.remove(donor)
+        fair.remove(donor)
+        freed = sum(x.num_new_tokens for x in out.scheduled if x.seq is donor)
+        out.scheduled = [x for x in out.scheduled if x.seq is not donor]
+        self._preempt(donor)
+        out.preempted.append(donor)
+        return freed
 
     def _is_long(self, num_prefill_tokens: int) -> bool:
         t = self.long_prefill_token_threshold

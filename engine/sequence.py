@@ -34,6 +34,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    client: str | None = None  # who sent it (the router's opaque tag): engine/fair_share.py
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -20,7 +20,7 @@ def prefill_router(state: WorkerState) -> APIRouter:
         params = sampling_params(req.sampling)
         try:
             resp = await run_prefill(state, req.request_id, req.prompt_token_ids, params,
-                                     req.lease_seconds)
+                                     req.lease_seconds, client=req.client_tag)
         except APIError as e:
             state.metrics.requests.labels("prefill", str(e.status)).inc()
             raise

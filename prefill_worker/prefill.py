@@ -14,9 +14,10 @@ from worker.state import WorkerState
 
 async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
                       params: SamplingParams, lease_seconds: float | None,
-                      always_export: bool = False) -> PrefillResponse:
+                      always_export: bool = False, client: str | None = None) -> PrefillResponse:
     """Prefill to the first token; keep and export the prompt's blocks unless already finished.
 
+    `client` tags who sent it, for sharing the batch fairly (engine/fair_share.py).
     `always_export` is vLLM's semantics: the proxy caps the prefill leg at `max_tokens: 1` and the
     decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
     """
@@ -33,7 +34,8 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     try:
         out: RequestOutput | None = None
         try:
-            async for out in engine.generate(request_id, prompt, params, hold_blocks=True):  # noqa: B007
+            async for out in engine.generate(  # noqa: B007
+                    request_id, prompt, params, hold_blocks=True, client=client):
                 pass
         except ValueError as e:
             raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e

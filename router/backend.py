@@ -58,13 +58,14 @@ class Backend(Protocol):
                  timeouts: Timeouts) -> None: ...
 
     async def prefill(self, w: WorkerInfo, request_id: str, prompt: list[int],
-                      sampling: SamplingOptions) -> PrefillResponse:
+                      sampling: SamplingOptions, client_tag: str | None = None) -> PrefillResponse:
         """The prefill leg's answer (common/protocol.py); `first_token_id` is None when the
-        decode leg produces every token (vLLM). Raises WorkerFailure or RequestRejected."""
+        decode leg produces every token (vLLM). `client_tag` says who sent the request (a worker
+        shares its batch fairly between clients). Raises WorkerFailure or RequestRejected."""
 
     def generate(self, w: WorkerInfo, request_id: str, prompt: list[int], sent: list[int],
-                 sampling: SamplingOptions, kv_params: KVTransferParams | None
-                 ) -> AsyncIterator[StreamEvent]:
+                 sampling: SamplingOptions, kv_params: KVTransferParams | None,
+                 client_tag: str | None = None) -> AsyncIterator[StreamEvent]:
         """Tokens after `prompt + sent`; the last event has a finish reason. Closing the
         iterator closes the HTTP stream, which aborts the request on the worker."""
 

@@ -31,6 +31,12 @@ def client_id(api_key: str | None, peer: str | None) -> str:
     return f"addr:{peer or 'unknown'}"
 
 
+def client_tag(client: str) -> str | None:
+    """What workers are told of a client (common/protocol.py `client_tag`): a digest that
+    tells clients apart without naming them (no address, no key); None for no client."""
+    return hashlib.sha256(client.encode()).hexdigest()[:16] if client else None
+
+
 class ClientGate:
     """At most `max_requests` requests per client at once (None: no limit), at most
     `max_waiting` more waiting; FIFO within a client."""

@@ -49,9 +49,11 @@ class Dispatcher:
         self.retry_backoff_s = retry_backoff_s
 
     async def run(self, plan: Plan, request_id: str, prompt: list[int], sampling: SamplingOptions,
-                  trace: Trace, vocab_size: int | None = None) -> AsyncIterator[StreamEvent]:
+                  trace: Trace, vocab_size: int | None = None, client_tag: str | None = None
+                  ) -> AsyncIterator[StreamEvent]:
         """The request's tokens; every worker answer is checked against the model's
-        `vocab_size` (an id at or past it fails that worker: retried or resumed elsewhere)."""
+        `vocab_size` (an id at or past it fails that worker: retried or resumed elsewhere).
+        `client_tag` goes to each worker, which shares its batch fairly between clients."""
         sent: list[int] = []
         kv_params = None
         decode = plan.decode
@@ -62,7 +64,7 @@ class Dispatcher:
             decode.inflight += 1
             try:
                 pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace,
-                                                       vocab_size)
+                                                       vocab_size, client_tag)
             finally:
                 decode.inflight -= 1
             if pre is not None:
@@ -88,7 +90,7 @@ class Dispatcher:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
                 backend = self.backends[decode.backend]
                 async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
-                                                     kv_params)) as events:
+                                                     kv_params, client_tag)) as events:
                     async for ev in events:
                         check_vocab(decode, ev.token_ids, ev.logprobs, vocab_size)
                         if trace.first_token_at is None and ev.token_ids:
@@ -133,7 +135,7 @@ class Dispatcher:
         return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
     async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace,
-                                    vocab_size: int | None):
+                                    vocab_size: int | None, client_tag: str | None = None):
         tried: set[str] = set()
         p = plan.prefill
         for attempt in range(self.max_prefill_retries + 1):
@@ -144,7 +146,8 @@ class Dispatcher:
             p.inflight += 1
             p.inflight_tokens += max(uncached, 0)
             try:
-                resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling)
+                resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling,
+                                                              client_tag)
                 check_vocab(p, [] if resp.first_token_id is None else [resp.first_token_id],
                             [resp.first_token_logprob] if resp.first_token_logprob else None,
                             vocab_size)

@@ -217,13 +217,15 @@ class Gateway:
         return ids
 
     async def run_one(self, body, model: ServedModel, prompt: list[int], opts: SamplingOptions,
-                      rid: str, client_rid: str | None) -> AsyncIterator[tuple[StreamEvent, Trace]]:
-        """One choice's events as they come, each with the request's trace."""
+                      rid: str, client_rid: str | None, client_tag: str | None = None
+                      ) -> AsyncIterator[tuple[StreamEvent, Trace]]:
+        """One choice's events as they come, each with the request's trace; `client_tag`
+        (router/clients.py) tells workers who sent it."""
         plan = await self.route(model, prompt)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
             async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace,
-                                                    model.vocab_size)) as events:
+                                                    model.vocab_size, client_tag)) as events:
                 async for ev in events:
                     if ev.finish_reason == "error":
                         # The grammar engine gave up on the constraint (engine/stop.py): the

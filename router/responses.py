@@ -14,6 +14,7 @@ from fastapi import Response
 from common.openai_response import choice, envelope, usage
 from common.protocol import TokenLogprob
 from common.tool_calls import ToolCalls
+from router.clients import client_tag
 from router.gateway import Gateway
 from router.models import ServedModel
 from router.openai_format import (
@@ -42,11 +43,12 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
     created = int(time.time())
     # Every choice is validated before any starts (and before an admission slot is taken).
     opts = await gw.choices.options(body, model)
+    tag = client_tag(client)  # workers share their batch fairly between clients
     async with AsyncExitStack() as admitted:
         await admitted.enter_async_context(gw.admission.slot(body.priority, body.n, client))
         if body.stream:
             gens = [gw.run_one(body, model, prompt, opts[i], rid if body.n == 1 else f"{rid}-{i}",
-                               client_rid) for i in range(body.n)]
+                               client_rid, tag) for i in range(body.n)]
             for gen in gens:  # closed with the stream, or here if a choice fails to start
                 admitted.push_async_callback(gen.aclose)
             # Errors before the first token are HTTP errors (the headers are not sent yet). Every
@@ -63,11 +65,12 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
                     prompt, t_start, slot),
                 write_timeout_s=gw.settings.stream_write_timeout_s, media_type="text/event-stream")
         if body.n == 1:  # no task per choice for the common case
-            results = [await _collect(gw, model, gw.run_one(body, model, prompt, opts[0], rid, client_rid),
-                                      body, t_start)]
+            one = gw.run_one(body, model, prompt, opts[0], rid, client_rid, tag)
+            results = [await _collect(gw, model, one, body, t_start)]
         else:
             results = await _all_or_none([
-                _collect(gw, model, gw.run_one(body, model, prompt, opts[i], f"{rid}-{i}", client_rid),
+                _collect(gw, model, gw.run_one(body, model, prompt, opts[i], f"{rid}-{i}", client_rid,
+                                               tag),
                          body, t_start)
                 for i in range(body.n)])
     return _json_response(gw, model, results, body, chat, rid, created, prompt, t_start)

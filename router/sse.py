@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, aclosing
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -160,8 +160,12 @@ async def sse(gw: Gateway, served: ServedModel, starts: list, body, chat: bool, 
     try:
         try:
             parts = [c.frames(first, events) for c, (first, events) in zip(choices, starts, strict=True)]
-            async for data in (parts[0] if len(parts) == 1 else _interleave(parts)):
-                yield data
+            merged = parts[0] if len(parts) == 1 else _interleave(parts)
+            # Closed before the slot (below): a cut stream's choices stop reading their worker
+            # streams first, so closing those finds no generator still running.
+            async with aclosing(merged):
+                async for data in merged:
+                    yield data
             n_out = sum(c.num_output for c in choices)
             if body.stream_options and body.stream_options.include_usage:
                 trace = choices[0].trace
@@ -192,7 +196,9 @@ async def _interleave(parts: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]
             async for data in part:
                 await queue.put(data)
             await queue.put(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except asyncio.CancelledError:
+            raise  # the consumer is gone (a full queue would hold this task forever)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
             await queue.put(e)
 
     tasks = [asyncio.create_task(pump(p)) for p in parts]

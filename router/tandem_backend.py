@@ -22,16 +22,21 @@ MAX_EVENT_LINE = 2 << 20  # one NDJSON event may be longer than the buffer (read
 class TandemBackend(HTTPBackend):
     """Tandem workers' internal API."""
 
-    async def prefill(self, w, request_id, prompt, sampling) -> PrefillResponse:
-        raw = await post_json(self.http, w, "/prefill", self.headers, {
-            "request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling.model_dump(mode="json")},
-            self.prefill_timeout, raw_answer=True)
+    async def prefill(self, w, request_id, prompt, sampling, client_tag=None) -> PrefillResponse:
+        body = {"request_id": request_id, "prompt_token_ids": prompt,
+                "sampling": sampling.model_dump(mode="json")}
+        if client_tag is not None:
+            body["client_tag"] = client_tag
+        raw = await post_json(self.http, w, "/prefill", self.headers, body, self.prefill_timeout,
+                              raw_answer=True)
         return parse(w, PrefillResponse, raw)
 
-    async def generate(self, w, request_id, prompt, sent, sampling, kv_params
+    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, client_tag=None
                        ) -> AsyncIterator[StreamEvent]:
         body = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": list(sent),
                 "sampling": sampling.model_dump(mode="json")}
+        if client_tag is not None:
+            body["client_tag"] = client_tag
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
             body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)

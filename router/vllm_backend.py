@@ -65,7 +65,8 @@ class VLLMBackend(HTTPBackend):
     def _headers(self, request_id: str) -> dict:
         return {**self.headers, "X-Request-Id": request_id}
 
-    async def prefill(self, w, request_id, prompt, sampling) -> PrefillResponse:
+    async def prefill(self, w, request_id, prompt, sampling, client_tag=None) -> PrefillResponse:
+        # client_tag: vLLM shares its batch first come, first served; nothing to pass it to.
         body = self._body(w, prompt, sampling)
         body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -85,7 +86,7 @@ class VLLMBackend(HTTPBackend):
                                kv_transfer_params=KVTransferParams.model_construct(**kvp),
                                num_cached_tokens=int(cached or 0))
 
-    async def generate(self, w, request_id, prompt, sent, sampling, kv_params
+    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, client_tag=None
                        ) -> AsyncIterator[StreamEvent]:
         body = self._body(w, prompt + list(sent), sampling)
         body.update(max_tokens=sampling.max_tokens - len(sent), stream=True,

@@ -40,7 +40,8 @@ async def stream_generate(
         if remote:
             try:
                 block_table, num_local = await engine.call(
-                    "import_request", rid, req.prompt_token_ids, params, req.output_token_ids)
+                    "import_request", rid, req.prompt_token_ids, params, req.output_token_ids,
+                    req.client_tag)
             except MemoryError as e:
                 raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
             except ValueError as e:
@@ -55,7 +56,7 @@ async def stream_generate(
         else:
             try:
                 await engine.call("add_request", rid, req.prompt_token_ids, params,
-                                  req.output_token_ids)
+                                  req.output_token_ids, False, req.client_tag)
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True

@@ -59,6 +59,11 @@ class WorkerMetrics:
         self.parked_requests = Gauge("tandem_worker_parked_requests", "Requests out of the batch "
                                      "while their reader is behind (engine/output_stream.py)",
                                      registry=r)
+        self.preemptions = Counter("tandem_worker_preemptions", "Sequences taken out of the "
+                                   "batch with their blocks freed, to be recomputed (blocks ran "
+                                   "short, or another client's turn: engine/fair_share.py)",
+                                   registry=r)
+        self._num_preemptions = 0
         self._vllm(r, model)
 
     def _vllm(self, r: CollectorRegistry, model: str) -> None:
@@ -114,6 +119,10 @@ class WorkerMetrics:
         self.kv_usage.set(usage)
         self.held_requests.set(stats["held"])
         self.parked_requests.set(stats["parked"])
+        num = stats.get("preemptions", 0)
+        if num > self._num_preemptions:  # the engine's running total, as a counter
+            self.preemptions.inc(num - self._num_preemptions)
+            self._num_preemptions = num
         self.vllm_running.set(stats["running"])
         self.vllm_waiting.set(stats["waiting"])
         self.vllm_kv_usage.set(usage)

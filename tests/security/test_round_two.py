@@ -224,6 +224,31 @@ def test_a_streaming_client_that_stops_reading_is_cut_and_frees_its_slot(cluster
     assert complete(r).status_code == 200
 
 
+
+def test_a_cut_stream_closes_its_worker_streams_at_once(cluster):
+    """Item 3a, the rest of it: when the write deadline cut an unread `n: 8` stream, its choices'
+    tasks stayed blocked on their full frame queue, so the worker streams stayed open (the
+    workers kept the generations parked until their own 30 s timeout, the router kept ~378 KB
+    queued per connection) and closing them logged "aclose(): asynchronous generator is already
+    running". Now the cut closes every worker stream: the decode worker has nothing left
+    running, waiting or parked well before its parked timeout."""
+    r, p, d = cluster
+    quiet(p, d)
+    log = Path(r.log.name)
+    size = log.stat().st_size
+    s = _unread_stream(r.port, max_tokens=1800)
+    try:
+        wait_for(lambda: inflight(r) == 0, 60, "the stream cut")
+        # Parked generations would stay 30 s (--parked-timeout-s); closed ones go now.
+        wait_for(lambda: all(d.metrics()[f"tandem_worker_{k}_requests"] == 0
+                             for k in ("running", "waiting", "parked")), 10,
+                 "the decode worker's generations of the cut stream aborted")
+    finally:
+        s.close()
+    with log.open() as f:
+        f.seek(size)
+        assert "already running" not in f.read()
+
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
