@@ -15,6 +15,9 @@ while each attack runs (at most 50 connections; each attack alone):
                  deadline has passed: a FIN queued behind the unread stream never arrives)
   slowloris      40 connections send headers a byte a second (closed at the header deadline,
                  reconnecting)
+  heavy_streams  not an attack, not run unless named: 8 clients loop n=8 streams of 1,500
+                 tokens and read them (64 sequences: every slot of the decode worker's batch);
+                 `--worker-arg=--scheduling-policy=fcfs` for the batch without sharing
 The victim and the attackers are told apart as a gateway tells clients apart: by API key
 (`victim-key`, `attacker-key`), and the router runs with per-client limits
 (`--client-max-requests`, `--client-max-running`, `--client-requests-per-s`; 0 turns one off
@@ -152,6 +155,18 @@ def slowloris(url: str, stop: threading.Event, got: list, i: int) -> None:
             pass
 
 
+def heavy_streams(url: str, stop: threading.Event, got: list, i: int) -> None:
+    body = {"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": f"heavy {i}"}]}
+    with httpx.Client(timeout=120, headers=ATTACKER) as c:
+        while not stop.is_set():
+            with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        break
+            got.append(r.status_code)
+
+
 def _closed(s: socket.socket) -> bool:
     """Whether the router closed the connection, without reading it (a peek sees the unread
     stream, not the FIN behind it): the TCP state, CLOSE_WAIT once the peer has closed."""
@@ -162,7 +177,9 @@ def _closed(s: socket.socket) -> bool:
 
 
 ATTACKS = {"grammar_bombs": (grammar_bombs, 8), "n_orphans": (n_orphans, 8),
-           "slow_readers": (slow_reader, 8), "slowloris": (slowloris, 40)}
+           "slow_readers": (slow_reader, 8), "slowloris": (slowloris, 40),
+           "heavy_streams": (heavy_streams, 8)}
+DEFAULT_ATTACKS = "grammar_bombs,n_orphans,slow_readers,slowloris"
 
 
 def attacker_process(name: str, url: str, stop, out) -> None:
@@ -181,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40, help="victim requests per phase (at least)")
     ap.add_argument("--min-phase-s", type=float, default=10.0, help="victim seconds per phase (at least)")
-    ap.add_argument("--attacks", default=",".join(ATTACKS), help="which, comma-separated")
+    ap.add_argument("--attacks", default=DEFAULT_ATTACKS, help="which, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attack.json"))
     ap.add_argument("--client-max-requests", type=int, default=2, help="0: no limit")
     ap.add_argument("--client-max-running", type=int, default=8, help="0: no limit")
@@ -237,7 +254,7 @@ def main() -> None:
                    "attack_connections": clients,
                    "p50_vs_idle": round(summary(ms)["p50_ms"] / result["idle"]["p50_ms"], 2),
                    "p99_vs_idle": round(summary(ms)["p99_ms"] / result["idle"]["p99_ms"], 2)}
-            if name in ("grammar_bombs", "n_orphans"):
+            if name in ("grammar_bombs", "n_orphans", "heavy_streams"):
                 row["attacker_statuses"] = {str(s): got.count(s) for s in sorted(set(got))}
             else:
                 seen = [x for x in got if x is not None]

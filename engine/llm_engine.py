@@ -3,7 +3,7 @@ on CUDA the next step is already queued: engine/decode_pipeline.py). For the P/D
 - `add_request(..., hold_blocks=True)`: prefill to the first token and keep the prompt's blocks
   (for export) until `release(request_id)`;
 - `add_imported_request` / `finish_import`: allocate blocks that a KV transfer fills, then join
-  the running batch (or fall back to local prefill if the transfer failed).
+  the batch (waiting if it is full), or fall back to local prefill if the transfer failed.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class LLMEngine:
         client: str | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` continue an earlier stream (resume); `client`
-        tags who sent it, for sharing the batch fairly (engine/fair_share.py)."""
+        says who sent it (engine/fair_share.py)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
                                  output_token_ids, client)
         seq.hold_blocks = hold_blocks
@@ -137,8 +137,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def add_imported_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             output_token_ids: list[int] | None = None, client: str | None = None
-                             ) -> tuple[Sequence, int]:
+                             output_token_ids: list[int] | None = None, client: str | None = None):
         """Allocate blocks for a prompt whose KV comes from elsewhere.
 
         KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
@@ -160,13 +159,11 @@ class LLMEngine:
         return seq, len(prefix)
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       output_token_ids: list[int] | None = None, client: str | None = None
-                       ) -> tuple[list[int], int]:
+                       output_token_ids: list[int] | None = None, client: str | None = None):
         """`add_imported_request` for another thread or process: (a copy of the block table,
         how many leading blocks are already here)."""
-        seq, num_local = self.add_imported_request(request_id, prompt_token_ids, params,
-                                                   output_token_ids, client)
-        return list(seq.block_table), num_local
+        seq, num = self.add_imported_request(request_id, prompt_token_ids, params, output_token_ids, client)
+        return list(seq.block_table), num
 
     def finish_import(self, request_id: str, success: bool) -> bool:
         """The transfer filled the blocks (join the batch) or failed (prefill locally instead).

@@ -107,6 +107,10 @@ class WorkerSettings(BaseSettings):
                                           "nothing absorbs before the worker's writes wait and "
                                           "its unread tokens count (none: the kernel's "
                                           "autotuning, MBs)")
+    scheduling_policy: Literal["fair", "fcfs"] = Field("fair", description="how the batch is "
+                                                       "shared: `fair` between the clients the "
+                                                       "router names (engine/fair_share.py), "
+                                                       "`fcfs` first come, first served")
     max_queue: int = Field(256, description="prefills waiting beyond this get 503 + Retry-After")
     max_body_bytes: int = Field(64 << 20, description="largest request body (internal requests "
                                 "carry token ids: 1M tokens is ~8 MB)")

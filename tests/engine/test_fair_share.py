@@ -89,6 +89,7 @@ def test_short_blocks_are_taken_from_the_client_holding_most():
     assert a1.status is SequenceStatus.WAITING and not a1.block_table
     # The next step admits b0 before a1, which waits in front of it: b0's client runs nothing.
     assert "b0" in plan(s) and a1.status is SequenceStatus.WAITING
+    assert a0.status is SequenceStatus.RUNNING
 
 
 def test_an_import_takes_blocks_from_the_client_holding_most():
