@@ -225,29 +225,36 @@ def test_a_streaming_client_that_stops_reading_is_cut_and_frees_its_slot(cluster
 
 
 
-def test_a_cut_stream_closes_its_worker_streams_at_once(cluster):
-    """Item 3a, the rest of it: when the write deadline cut an unread `n: 8` stream, its choices'
-    tasks stayed blocked on their full frame queue, so the worker streams stayed open (the
-    workers kept the generations parked until their own 30 s timeout, the router kept ~378 KB
-    queued per connection) and closing them logged "aclose(): asynchronous generator is already
-    running". Now the cut closes every worker stream: the decode worker has nothing left
-    running, waiting or parked well before its parked timeout."""
-    r, p, d = cluster
+def test_a_cut_stream_closes_its_worker_streams_at_once(cluster, tiny_folder, tmp_path):
+    """Item 3a, the rest of it: a cut stream whose generations are parked frees them at once,
+    not at the worker's parked timeout (30 s). A router whose deadline (12 s) comes after the
+    parking: once it cuts, the decode worker has nothing left running, waiting or parked within
+    10 s, and the router logged no "aclose(): asynchronous generator is already running" (seen
+    at cuts in bench/attack.py runs, when a choice's task was waiting on a silent worker stream;
+    that race, which this cluster does not always meet, is pinned in
+    tests/router/test_sse_close.py)."""
+    _, p, d = cluster
     quiet(p, d)
-    log = Path(r.log.name)
-    size = log.stat().st_size
-    s = _unread_stream(r.port, max_tokens=1800)
+    r = Router(tiny_folder, cluster[0].namespace, cache_dir=tmp_path,
+               extra=["--stream-write-timeout-s", "12"])
+    s = None
     try:
+        r.wait_workers(2)
+        log = Path(r.log.name)
+        s = _unread_stream(r.port, max_tokens=1800)
+        wait_for(lambda: d.metrics()["tandem_worker_parked_requests"] == 8, 60,
+                 "the unread stream's 8 generations parked")
         wait_for(lambda: inflight(r) == 0, 60, "the stream cut")
         # Parked generations would stay 30 s (--parked-timeout-s); closed ones go now.
         wait_for(lambda: all(d.metrics()[f"tandem_worker_{k}_requests"] == 0
                              for k in ("running", "waiting", "parked")), 10,
                  "the decode worker's generations of the cut stream aborted")
+        assert "already running" not in log.read_text()
     finally:
-        s.close()
-    with log.open() as f:
-        f.seek(size)
-        assert "already running" not in f.read()
+        if s is not None:
+            s.close()
+        r.close()
+
 
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
