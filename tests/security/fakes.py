@@ -9,7 +9,6 @@ import json
 import threading
 
 from kv_transfer.tcp_wire import HEADER as _HEADER
-from tandem.cluster import free_port
 
 
 class FakePeer:
@@ -18,8 +17,9 @@ class FakePeer:
     raw bytes sent as the header's JSON), followed by `tcp_payload` bytes."""
 
     def __init__(self) -> None:
-        self.http_port = free_port()
-        self.tcp_port = free_port()
+        # Bound to port 0 and read back: a port chosen free beforehand can be taken by another
+        # process before the bind (seen in CI: "address already in use").
+        self.http_port = self.tcp_port = 0
         self.metadata: dict | None = None
         self.trickle = False
         self.tcp_answer: dict | bytes | None = None
@@ -30,7 +30,8 @@ class FakePeer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        self._ready.wait(10)
+        if not self._ready.wait(10) or not self.http_port:
+            raise RuntimeError("the fake peer did not start")
 
     @property
     def url(self) -> str:
@@ -40,8 +41,9 @@ class FakePeer:
         asyncio.set_event_loop(self._loop)
 
         async def start():
-            self._servers = [await asyncio.start_server(self._http, "127.0.0.1", self.http_port),
-                             await asyncio.start_server(self._tcp, "127.0.0.1", self.tcp_port)]
+            self._servers = [await asyncio.start_server(self._http, "127.0.0.1", 0),
+                             await asyncio.start_server(self._tcp, "127.0.0.1", 0)]
+            self.http_port, self.tcp_port = (srv.sockets[0].getsockname()[1] for srv in self._servers)
             self._ready.set()
 
         self._loop.run_until_complete(start())
