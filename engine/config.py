@@ -158,6 +158,9 @@ class EngineConfig:
     # (engine/output_stream.py; the async clients apply it). None: never parked.
     max_unread_tokens: int | None = None
     parked_timeout_s: float = 30.0
+    # "fair": the batch shared between the clients requests are tagged with
+    # (engine/fair_share.py); "fcfs": tags ignored, first come, first served.
+    scheduling_policy: str = "fair"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -176,6 +179,8 @@ class EngineConfig:
             raise ValueError("max_unread_tokens must be >= 1 (or None)")
         if not self.parked_timeout_s > 0:
             raise ValueError("parked_timeout_s must be > 0")
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError(f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):

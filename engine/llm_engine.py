@@ -102,7 +102,8 @@ class LLMEngine:
         check_request(prompt, out, params, self.model_config.vocab_size, self.max_model_len)
         if self.kv.num_blocks_for(len(prompt) + len(out) + 1) > self.num_blocks:
             raise ValueError(f"prompt of {len(prompt) + len(out)} tokens does not fit in the KV cache")
-        seq = Sequence(request_id, prompt, params, self.eos_token_ids, client=client)
+        fair = self.config.scheduling_policy == "fair"  # fcfs: all as one client's (fair_share.py)
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids, client=client if fair else None)
         seq.output_token_ids = out
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -128,8 +129,7 @@ class LLMEngine:
         hold_blocks: bool = False,
         client: str | None = None,
     ) -> None:
-        """Queue a request. `output_token_ids` continue an earlier stream (resume); `client`
-        says who sent it (engine/fair_share.py)."""
+        """Queue a request. `output_token_ids` continue an earlier stream (resume)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
                                  output_token_ids, client)
         seq.hold_blocks = hold_blocks

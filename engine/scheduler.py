@@ -133,12 +133,10 @@ class Scheduler:
         """`allocate` for a sequence outside the batch (an import, between steps): when blocks
         are short, running sequences of a client that runs at least two more than `seq`'s give
         theirs (engine/fair_share.py), as they would to a waiting sequence."""
+        fair, out = FairShare(self.running), SchedulerOutput()  # no step is being planned
         while not self.allocate(seq, num_new_tokens, prefix_blocks):
-            donor = FairShare(self.running).donor(self.running, seq)
-            if donor is None:
+            if self._give_way(seq, fair, out) is None:
                 return False
-            self.running.remove(donor)
-            self._preempt(donor)
         return True
 
     def schedule(self) -> SchedulerOutput:

@@ -23,8 +23,6 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     """
     s = state.settings
     state.admit()
-    if s.scheduling_policy == "fcfs":
-        client = None  # every request as one client's: first come, first served
     if lease_seconds is not None and lease_seconds > s.max_lease_seconds:
         raise APIError(400, f"lease_seconds must be at most {s.max_lease_seconds}", "invalid_lease",
                        "lease_seconds")

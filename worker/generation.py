@@ -20,8 +20,6 @@ async def stream_generate(
     """Outputs of one request, the last one with its timing."""
     state.admit()
     engine, importer = state.engine, state.parts.importer
-    # fcfs: every request as one client's (engine/fair_share.py then keeps arrival order).
-    client = req.client_tag if state.settings.scheduling_policy == "fair" else None
     rid = req.request_id
     kvp = req.kv_transfer_params
     t0 = time.monotonic()
@@ -43,7 +41,7 @@ async def stream_generate(
             try:
                 block_table, num_local = await engine.call(
                     "import_request", rid, req.prompt_token_ids, params, req.output_token_ids,
-                    client)
+                    req.client_tag)
             except MemoryError as e:
                 raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
             except ValueError as e:
@@ -58,7 +56,7 @@ async def stream_generate(
         else:
             try:
                 await engine.call("add_request", rid, req.prompt_token_ids, params,
-                                  req.output_token_ids, False, client)
+                                  req.output_token_ids, False, req.client_tag)
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True

@@ -129,7 +129,7 @@ class WorkerSettings(BaseSettings):
             long_prefill_token_threshold=self.long_prefill_token_threshold or None,
             num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
             enforce_eager=self.enforce_eager, max_unread_tokens=self.max_unread_tokens or None,
-            parked_timeout_s=self.parked_timeout_s,
+            parked_timeout_s=self.parked_timeout_s, scheduling_policy=self.scheduling_policy,
         )
 
     @property
