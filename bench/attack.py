@@ -19,7 +19,10 @@ while each attack runs (at most 50 connections; each attack alone):
                  tokens and read them (64 sequences: every slot of the decode worker's batch);
                  `--worker-arg=--scheduling-policy=fcfs` for the batch without sharing
 The victim and the attackers are told apart as a gateway tells clients apart: by API key
-(`victim-key`, `attacker-key`), and the router runs with per-client limits
+(`victim-key`, `attacker-key`), or with `--identity address` by address (no keys: the victim
+connects from 127.0.0.2, the attackers from 127.0.0.1 with a new X-Forwarded-For on every
+request; `--router-arg=--forwarded-allow-ips=127.0.0.1` trusts that header, as uvicorn's
+default once did), and the router runs with per-client limits
 (`--client-max-requests`, `--client-max-running`, `--client-requests-per-s`; 0 turns one off
 to compare). Each attack runs
 in a process of its own, so the attackers' threads never share the victim's interpreter (and
@@ -36,10 +39,8 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -49,24 +50,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.attackers import ATTACKS, DEFAULT_ATTACKS, WRITE_TIMEOUT_S, attacker_process  # noqa: E402
 from tandem.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
 
 MODEL = "tiny-random"
 VICTIM = {"Authorization": "Bearer victim-key"}
-ATTACKER = {"Authorization": "Bearer attacker-key"}
-BOMBS = [{"guided_regex": "((a{1000}){1000})"}, {"guided_regex": "(a{10000}){10000}"},
-         {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {
-             "type": "string", "pattern": "^((a{100}){100}){100}$"}}}},
-         {"guided_grammar": "start: /((ab){1000}){1000}/"}]
-
-
-WRITE_TIMEOUT_S = 5.0  # the router's --stream-write-timeout-s
+VICTIM_ADDRESS = None  # --identity address: 127.0.0.2
 
 
 def victim(url: str, n: int, min_s: float = 0.0) -> tuple[list[float], dict[int, int]]:
     ms, statuses = [], {}
     end = time.monotonic() + min_s
-    with httpx.Client(timeout=120, headers=VICTIM) as c:
+    transport = httpx.HTTPTransport(local_address=VICTIM_ADDRESS) if VICTIM_ADDRESS else None
+    with httpx.Client(timeout=120, headers=VICTIM, transport=transport) as c:
         i = 0
         while i < n or time.monotonic() < end:
             i += 1
@@ -83,117 +79,6 @@ def summary(ms: list[float]) -> dict:
     return {"p50_ms": round(q[49], 1), "p99_ms": round(q[98], 1), "max_ms": round(max(ms), 1)}
 
 
-def grammar_bombs(url: str, stop: threading.Event, got: list, i: int) -> None:
-    with httpx.Client(timeout=120, headers=ATTACKER) as c:
-        while not stop.is_set():
-            got.append(c.post(f"{url}/v1/completions", json={
-                "model": MODEL, "prompt": "x", "max_tokens": 16, "n": 8,
-                **BOMBS[(i + len(got)) % len(BOMBS)]}).status_code)
-
-
-def n_orphans(url: str, stop: threading.Event, got: list, i: int) -> None:
-    with httpx.Client(timeout=120, headers=ATTACKER) as c:
-        while not stop.is_set():
-            got.append(c.post(f"{url}/v1/completions", json={
-                "model": MODEL, "prompt": "x", "max_tokens": 1500, "n": 8, "ignore_eos": True,
-                "seed": 2**63 - 7}).status_code)
-
-
-CLOSE, CLOSE_WAIT = 7, 8  # linux/tcp_states.h
-
-
-def slow_reader(url: str, stop: threading.Event, got: list, i: int) -> None:
-    port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True,
-                       "stream": True, "logprobs": True, "top_logprobs": 20,
-                       "messages": [{"role": "user", "content": f"hi {i}"}]}).encode()
-    while not stop.is_set():
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.settimeout(0.5)
-        try:
-            s.connect(("127.0.0.1", port))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                      b"Authorization: Bearer attacker-key\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                      + b"\r\n\r\n" + body)
-            while not stop.is_set():  # queued behind its own client's limit: it waits
-                try:
-                    s.recv(256)
-                    break
-                except TimeoutError:
-                    continue
-            t0 = time.monotonic()
-            while not stop.is_set():  # read nothing more; see when the router cuts us
-                time.sleep(0.5)
-                if _closed(s):
-                    got.append(round(time.monotonic() - t0, 1))
-                    break
-                if time.monotonic() - t0 > WRITE_TIMEOUT_S + 2:
-                    got.append(None)  # cut by now, unseen: a new stream
-                    break
-        except OSError:
-            pass
-        finally:
-            s.close()
-
-
-def slowloris(url: str, stop: threading.Event, got: list, i: int) -> None:
-    port = int(url.rsplit(":", 1)[1])
-    while not stop.is_set():
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-                t0 = time.monotonic()
-                while not stop.is_set():
-                    s.sendall(b"X")  # a byte a second, never a complete head
-                    time.sleep(1.0)
-                    if _closed(s):
-                        got.append(round(time.monotonic() - t0, 1))
-                        break
-        except OSError:
-            pass
-
-
-def heavy_streams(url: str, stop: threading.Event, got: list, i: int) -> None:
-    body = {"model": MODEL, "n": 8, "max_tokens": 1500, "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": f"heavy {i}"}]}
-    with httpx.Client(timeout=120, headers=ATTACKER) as c:
-        while not stop.is_set():
-            with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                for _ in r.iter_bytes():
-                    if stop.is_set():
-                        break
-            got.append(r.status_code)
-
-
-def _closed(s: socket.socket) -> bool:
-    """Whether the router closed the connection, without reading it (a peek sees the unread
-    stream, not the FIN behind it): the TCP state, CLOSE_WAIT once the peer has closed."""
-    try:
-        return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in (CLOSE_WAIT, CLOSE)
-    except OSError:
-        return True
-
-
-ATTACKS = {"grammar_bombs": (grammar_bombs, 8), "n_orphans": (n_orphans, 8),
-           "slow_readers": (slow_reader, 8), "slowloris": (slowloris, 40),
-           "heavy_streams": (heavy_streams, 8)}
-DEFAULT_ATTACKS = "grammar_bombs,n_orphans,slow_readers,slowloris"
-
-
-def attacker_process(name: str, url: str, stop, out) -> None:
-    """One attack's clients, as threads of a process of their own; what they got goes to `out`."""
-    attack, clients = ATTACKS[name]
-    got: list = []
-    threads = [threading.Thread(target=attack, args=(url, stop, got, i)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out.put(got)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40, help="victim requests per phase (at least)")
@@ -206,7 +91,15 @@ def main() -> None:
     ap.add_argument("--router-arg", action="append", default=[], help="more router flags "
                     "(repeat; e.g. --router-arg=--send-buffer-bytes=65536)")
     ap.add_argument("--worker-arg", action="append", default=[], help="more flags of both workers")
+    ap.add_argument("--identity", choices=("key", "address"), default="key",
+                    help="how the router tells the victim from the attackers")
     args = ap.parse_args()
+    global VICTIM_ADDRESS
+    by_address = args.identity == "address"
+    if by_address:
+        VICTIM.clear()
+        VICTIM_ADDRESS = "127.0.0.2"
+    keys = [] if by_address else ["--api-key", "victim-key", "--api-key", "attacker-key"]
     limits = []
     if args.client_max_requests:
         limits += ["--client-max-requests", str(args.client_max_requests)]
@@ -228,13 +121,14 @@ def main() -> None:
                             extra=args.worker_arg))
         router = Router(folder, ns, cache_dir=work, extra=[
             "--stream-write-timeout-s", str(WRITE_TIMEOUT_S), "--header-timeout-s", "5",
-            "--api-key", "victim-key", "--api-key", "attacker-key", *limits, *args.router_arg])
+            *keys, *limits, *args.router_arg])
         procs.append(router)
         router.wait_workers(2)
         victim(router.url, 5)  # warm up
         ms, statuses = victim(router.url, args.requests, args.min_phase_s)
         result = {"victim_requests": args.requests, "min_phase_s": args.min_phase_s,
                   "router_limits": limits, "router_args": args.router_arg,
+                  "identity": args.identity,
                   "worker_args": args.worker_arg,
                   "load_average_start": os.getloadavg(),
                   "idle": {**summary(ms), "requests": len(ms), "statuses": statuses}}
@@ -243,7 +137,8 @@ def main() -> None:
         for name in args.attacks.split(","):
             clients = ATTACKS[name][1]
             stop, out = mp.Event(), mp.Queue()
-            proc = mp.Process(target=attacker_process, args=(name, router.url, stop, out))
+            proc = mp.Process(target=attacker_process,
+                              args=(name, router.url, stop, out, by_address))
             proc.start()
             time.sleep(4.0)  # the attack is under way (the process imports, then connects)
             ms, statuses = victim(router.url, args.requests, args.min_phase_s)

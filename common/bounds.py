@@ -73,6 +73,9 @@ RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS,
 EngineId = Annotated[str, Field(pattern=ENGINE_ID_PATTERN)]
 # Who sent a request, as the router tells workers (router/clients.py client_tag): opaque.
 ClientTag = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[0-9a-f]+$")]
+# A request's cache salt (common/hashing.py chain_root), as vLLM's `cache_salt`.
+MAX_CACHE_SALT_CHARS = 256
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 Host = Annotated[str, Field(min_length=1, max_length=253, pattern=HOST_PATTERN)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 BlockId = Annotated[int, Field(ge=0, le=INT32_MAX)]

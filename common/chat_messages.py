@@ -19,6 +19,14 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"  # OpenAI's function name rule (dots allowed, as vLLM does)
+# What `chat_template_kwargs` may not name: the template's own arguments, which the request's
+# fields set (a kwarg `messages` was Python's "encode_chat() got multiple values for argument
+# 'messages'" in a 400), the parameters of the functions that pass the kwargs on
+# (common/tokenizer.py encode_chat, common/chat_template.py render), and the template's globals
+# (a kwarg would shadow `raise_exception`).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "max_tokens", "self", "raise_exception", "namespace", "dict", "strftime_now"})
 
 
 class FunctionSpec(BaseModel):
@@ -142,6 +150,15 @@ class ChatFields(BaseModel):
             return chat_messages(v)
         except APIError as e:
             raise ValueError(e.message) from e
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v):
+        taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(v or ()))
+        if taken:
+            raise ValueError(f"may not set {', '.join(map(repr, taken))}: the request's own "
+                             "fields (or the template) set those")
+        return v
 
     def template_args(self) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages."""

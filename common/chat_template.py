@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -133,6 +134,10 @@ class ChatTemplate:
         self.sources = named
         self._compiled = {name: env.from_string(text) for name, text in named.items()}
         self.special_tokens = dict(special_tokens or {})
+        # The variables any of the templates reads (`tools`, `documents`, a kwarg...): what a
+        # request's size check counts of its body (router/openai_format.py text_chars).
+        self.variables = frozenset().union(*(jinja2.meta.find_undeclared_variables(env.parse(t))
+                                             for t in named.values()))
 
     @property
     def source(self) -> str:
@@ -180,6 +185,13 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # A value of a type the template does not expect (a `chat_template_kwargs` entry, a
+            # tool) met its code: Python's own text ("'int' object is not iterable") is not for
+            # clients.
+            raise ChatTemplateError("the chat template could not render the request: a value "
+                                    "(in chat_template_kwargs, tools, documents or messages) has "
+                                    "a type it does not take") from e
         if final is not None:
             tag = text.rfind(_CONTINUE_TAG.strip())
             if tag < 0 or final.strip() not in text:

@@ -4,7 +4,9 @@ The router and every worker hash prompts with these functions; if the two sides 
 prefix-cache hit rate silently drops to zero, so `tests/common/test_hashing.py` pins golden vectors.
 
     seed  = xxh3_64("{model_id}|{block_size}|{salt}")          as 8 bytes little-endian
-    h_0   = xxh3_64(seed  + tokens_0)                          tokens packed as uint32 LE
+    root  = seed, or with a request's cache salt:
+            xxh3_64(seed as 8 bytes LE + "cache_salt:{cache_salt}")
+    h_0   = xxh3_64(root  + tokens_0)                          tokens packed as uint32 LE
     h_i   = xxh3_64(h_{i-1} as 8 bytes LE + tokens_i)
 
 Only full blocks are hashed: a prompt of n tokens has n // block_size hashes.
@@ -28,6 +30,16 @@ def hash_seed(model_id: str, block_size: int, salt: str | None = None) -> int:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return xxhash.xxh3_64_intdigest(f"{model_id}|{block_size}|{salt or ''}".encode())
+
+
+def chain_root(seed: int, cache_salt: str | None = None) -> int:
+    """Where a request's chain starts: the seed, or with a per-request `cache_salt` (vLLM's
+    field; the router also derives one per API key) a root that no other salt shares, so its
+    blocks match only requests with the same salt."""
+    if not cache_salt:
+        return seed
+    return xxhash.xxh3_64_intdigest(seed.to_bytes(_U64_BYTES, "little")
+                                    + b"cache_salt:" + cache_salt.encode())
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -71,7 +83,12 @@ class BlockHasher:
         self.salt = salt
         self.seed = hash_seed(model_id, block_size, salt)
 
-    def __call__(self, token_ids: Sequence[int], parent_hash: int | None = None) -> list[int]:
+    def __call__(self, token_ids: Sequence[int], parent_hash: int | None = None,
+                 cache_salt: str | None = None) -> list[int]:
+        """The chain of `token_ids`' full blocks: continuing `parent_hash`, else from the
+        request's root (`cache_salt`)."""
+        if parent_hash is None:
+            parent_hash = chain_root(self.seed, cache_salt)
         return hash_blocks(token_ids, self.block_size, self.seed, parent_hash)
 
 

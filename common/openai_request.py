@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 from common.bounds import (
     MAX_STOP_CHARS,
     MAX_TOP_K,
+    CacheSalt,
     Finite,
     LogitBias,
     MaxTokens,
@@ -27,13 +28,17 @@ from common.bounds import (
 from common.errors import APIError
 from common.protocol import SamplingOptions
 from common.structured import StructuredFields
-from common.tokenizer import ChatTemplateError, Tokenizer
+from common.tokenizer import ChatTemplateError, Tokenizer, TooManyTokens
 
 MAX_OPENAI_STOPS = 4  # OpenAI's own limit
 
 
 class OpenAISampling(StructuredFields):
     """Mixed into the request models; `None` means "the default" wherever OpenAI allows null."""
+
+    # vLLM's: not sampling, but how the request's KV blocks are shared (common/hashing.py
+    # chain_root); read by the router and the workers' endpoints alike.
+    cache_salt: CacheSalt | None = None
 
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0), Finite] | None = None
@@ -87,17 +92,22 @@ class OpenAISampling(StructuredFields):
             min_tokens=self.min_tokens or 0)
 
 
-def prompt_token_ids(tokenizer: Tokenizer, body) -> list[int]:
+def prompt_token_ids(tokenizer: Tokenizer, body, max_tokens: int | None = None) -> list[int]:
     """A chat body's `messages` through the chat template, or a completions body's `prompt`,
-    as token ids; a bad one is a 400 naming the field."""
+    as token ids; a bad one is a 400 naming the field. More than `max_tokens` of them raise
+    TooManyTokens (before the ids are built)."""
     if hasattr(body, "messages"):
         args = body.template_args()
         gen = body.add_generation_prompt and not body.continue_final_message
         try:
-            return tokenizer.encode_chat(body.messages, gen, **args)
+            return tokenizer.encode_chat(body.messages, gen, max_tokens, **args)
+        except TooManyTokens:
+            raise
         except (ChatTemplateError, TypeError, KeyError, ValueError) as e:
             raise APIError(400, f"messages: {e}", "invalid_messages", "messages") from e
     try:
-        return tokenizer.encode_prompt(body.prompt)
+        return tokenizer.encode_prompt(body.prompt, max_tokens)
+    except TooManyTokens:
+        raise
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), "invalid_prompt", "prompt") from e

@@ -6,6 +6,7 @@ converts `SamplingOptions` into its own `engine.SamplingParams`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,7 @@ from common.bounds import (
     MAX_PROMPT_TOKENS,
     BlockHashes,
     BlockIds,
+    CacheSalt,
     ClientTag,
     EngineId,
     Host,
@@ -116,7 +118,24 @@ class TokenLogprob(BaseModel):
     top: list[tuple[TokenId, float]] = Field(default_factory=list, max_length=MAX_LOGPROBS + 1)
 
 
-class PrefillRequest(BaseModel):
+@dataclass(frozen=True)
+class Tenant:
+    """Who sent a request, as workers and the engine act on it: `client_tag` (the batch is
+    shared fairly between clients: engine/fair_share.py) and `cache_salt` (its KV blocks are
+    shared only with requests of the same salt: common/hashing.py `chain_root`)."""
+
+    client_tag: str | None = None
+    cache_salt: str | None = None
+
+
+class _FromTenant:
+    """A request that says who sent it (its `client_tag` and `cache_salt` fields)."""
+
+    def tenant(self) -> Tenant:
+        return Tenant(self.client_tag, self.cache_salt)
+
+
+class PrefillRequest(BaseModel, _FromTenant):
     model_config = ConfigDict(extra="forbid")
 
     request_id: RequestId
@@ -124,6 +143,7 @@ class PrefillRequest(BaseModel):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     lease_seconds: LeaseSeconds | None = None  # each worker caps it at its --max-lease-seconds
     client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
+    cache_salt: CacheSalt | None = None  # its blocks match only requests with the same salt
 
 
 class PrefillResponse(BaseModel):
@@ -138,7 +158,7 @@ class PrefillResponse(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(BaseModel, _FromTenant):
     """Decode (or local prefill + decode) of one request.
 
     `output_token_ids` are tokens the client has already seen (the prefill's first token, or the
@@ -153,6 +173,7 @@ class GenerateRequest(BaseModel):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     kv_transfer_params: KVTransferParams | None = None
     client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
+    cache_salt: CacheSalt | None = None  # its blocks match only requests with the same salt
 
 
 class RequestTiming(BaseModel):

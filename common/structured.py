@@ -8,8 +8,10 @@ it. The engine compiles the same spec again (cached) against its vocabulary
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
-import time
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,10 +21,11 @@ from common.protocol import MAX_GRAMMAR_CHARS, StructuredOutput
 
 
 class StructuredError(ValueError):
-    """A constraint that cannot be used; `param` names the request field it came from."""
+    """A constraint that cannot be used; `param` names the request field it came from (and
+    starts the message: what a client reads is `"guided_regex: ..."`, never a class name)."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
+        super().__init__(f"{param}: {message}")
         self.param = param
 
 
@@ -110,12 +113,18 @@ class StructuredFields(BaseModel):
                                   "structured_outputs or one guided_* field), not several",
                                   found[1][2])
         kind, spec, param = found[0]
+        # Checked here, not by StructuredOutput's own validation: its error is pydantic's text
+        # (with its URL and the class name), which is not for clients.
+        if not spec:
+            raise StructuredError("the constraint is empty", param)
+        if len(spec) > MAX_GRAMMAR_CHARS:
+            raise StructuredError(f"the constraint is longer than {MAX_GRAMMAR_CHARS} "
+                                  "characters", param)
         try:
-            out = StructuredOutput(kind=kind, spec=spec)
-            compile_grammar(out.kind, out.spec)
+            compile_grammar(kind, spec)
         except ValueError as e:
             raise StructuredError(str(e), param) from e
-        return out
+        return StructuredOutput(kind=kind, spec=spec)
 
 
 def _add(found: list, kind: str, value: Any, param: str) -> None:
@@ -127,14 +136,18 @@ def _add(found: list, kind: str, value: Any, param: str) -> None:
 
 
 # What one constraint may cost, enforced by llguidance itself on every matcher (router and
-# engine): the fuel for building the lexer's regex ASTs is the limit a nested-repetition bomb
+# engine), in units of work, not time, so a verdict is the same on a busy machine as on an idle
+# one: the fuel for building the lexer's regex ASTs is the limit a nested-repetition bomb
 # (`((a{1000}){1000})`: 40 bytes) exhausts; at the default (1M) its first mask took 1-2 s on the
 # engine thread, at this one ~50 ms, and then the matcher errs. Ordinary schemas use a few
-# thousand. See tests/security/test_round_two.py.
+# thousand. Each mask's own work is capped by `STEP_LEXER_FUEL` and `STEP_MAX_ITEMS`
+# (llguidance's defaults: a recursive required schema exhausts the items).
+# See tests/security/test_round_two.py and test_round_three.py.
 INITIAL_LEXER_FUEL = 100_000
-# A constraint whose first masks take longer than this at the router is refused (400).
-CHECK_BUDGET_S = 0.25
-# The engine's per-mask deadline: a constrained row whose mask took longer ends with an error.
+STEP_LEXER_FUEL = 200_000
+STEP_MAX_ITEMS = 50_000
+# The engine's per-mask deadline: a constrained row whose mask is not done by then ends with an
+# error, and the step goes on without waiting for it (engine/structured_output.py).
 MASK_DEADLINE_S = 0.5
 
 
@@ -142,7 +155,9 @@ def parser_limits():
     """llguidance's limits for every matcher Tandem builds."""
     import llguidance
 
-    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                     step_lexer_fuel=STEP_LEXER_FUEL,
+                                     step_max_items=STEP_MAX_ITEMS, verbose_errors=False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -155,37 +170,41 @@ def _ll_tokenizer(tokenizer_file: str):
 GAVE_UP = "the grammar engine gave up on it: "
 
 
-def check_cost(kind: str, spec: str, tokenizer_file: str, budget_s: float = CHECK_BUDGET_S) -> str | None:
+def check_cost(kind: str, spec: str, tokenizer_file: str) -> str | None:
     """Why a compiled constraint would stall or fail an engine, or None when it is fine: a
     matcher under `parser_limits()` computes its first mask, takes one allowed token and
-    computes the next (where a grammar bomb or a constraint nothing can satisfy errs), all
-    within `budget_s`. Releases the GIL while llguidance works. What llguidance decides (an
-    error, or fine within the budget) is cached per spec; a check that only ran out of time is
-    not (on a busy machine an ordinary schema can: it is measured again next time)."""
-    key = (kind, spec, tokenizer_file)
-    if key in _VERDICTS:
-        return _VERDICTS[key]
-    why, elapsed = _first_masks(kind, spec, tokenizer_file)
-    if why is None and elapsed > budget_s:
-        return f"it costs more than {budget_s:g} s to start (too complex)"
-    if len(_VERDICTS) >= 1024:
-        _VERDICTS.pop(next(iter(_VERDICTS)))
-    _VERDICTS[key] = why
+    computes the next, where a grammar bomb or a constraint nothing can satisfy errs. The
+    verdict is llguidance's alone, counted in work (fuel, items), never in time: a busy machine
+    refuses nothing an idle one serves (a 0.25 s budget once refused ordinary schemas at
+    random). Releases the GIL while llguidance works; thread-safe; cached per spec."""
+    key = (kind, hashlib.sha256(spec.encode("utf-8", "surrogatepass")).digest(), tokenizer_file)
+    with _VERDICTS_LOCK:
+        if key in _VERDICTS:
+            _VERDICTS.move_to_end(key)
+            return _VERDICTS[key]
+    why = _first_masks(kind, spec, tokenizer_file)  # outside the lock: checks run in parallel
+    with _VERDICTS_LOCK:
+        _VERDICTS[key] = why
+        while len(_VERDICTS) > VERDICTS_KEPT:
+            _VERDICTS.popitem(last=False)
     return why
 
 
-# (kind, spec, tokenizer file) -> llguidance's verdict; bounded, oldest first out.
-_VERDICTS: dict[tuple[str, str, str], str | None] = {}
+# (kind, digest of the spec, tokenizer file) -> llguidance's verdict, least recently used first
+# out. Checks run on several threads at once: every access holds the lock (a plain dict evicted
+# from two threads raised KeyError, a 500).
+VERDICTS_KEPT = 1024
+_VERDICTS: OrderedDict[tuple[str, bytes, str], str | None] = OrderedDict()
+_VERDICTS_LOCK = threading.Lock()
 
 
-def _first_masks(kind: str, spec: str, tokenizer_file: str) -> tuple[str | None, float]:
-    """(llguidance's error or None, seconds the first masks took)."""
+def _first_masks(kind: str, spec: str, tokenizer_file: str) -> str | None:
+    """llguidance's error for the first masks, or None."""
     import llguidance
     import numpy as np
     from llguidance.numpy import fill_next_token_bitmask
 
     tok = _ll_tokenizer(tokenizer_file)  # loaded once (~0.3 s): not the constraint's cost
-    t0 = time.perf_counter()
     matcher = llguidance.LLMatcher(tok, compile_grammar(kind, spec), log_level=0,
                                    limits=parser_limits())
     vocab = tok.vocab_size
@@ -201,10 +220,9 @@ def _first_masks(kind: str, spec: str, tokenizer_file: str) -> tuple[str | None,
         if not allowed:
             break
         matcher.consume_token(allowed[0])
-    elapsed = time.perf_counter() - t0
     if matcher.is_error():
-        return GAVE_UP + (matcher.get_error() or "").splitlines()[0][:200], elapsed
-    return None, elapsed
+        return GAVE_UP + (matcher.get_error() or "").splitlines()[0][:200]
+    return None
 
 
 def tokenizer_file_of(folder: str | Path) -> str:
@@ -223,7 +241,7 @@ def compile_grammar(kind: str, spec: str) -> str:
         try:
             choices = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"invalid choice constraint: {e}") from e
+            raise ValueError(f"invalid choice constraint: {_short(e)}") from e
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
             raise ValueError("a choice constraint must be a non-empty list of non-empty strings")
     fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
@@ -235,8 +253,15 @@ def compile_grammar(kind: str, spec: str) -> str:
         else:
             grammar = llguidance.grammar_from(fmt, spec)
     except Exception as e:  # noqa: BLE001 - llguidance raises several kinds for a bad spec
-        raise ValueError(f"invalid {kind} constraint: {e}") from e
+        raise ValueError(f"invalid {kind} constraint: {_short(e)}") from e
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise ValueError(f"invalid {kind} constraint: {'; '.join(messages)}")
+        raise ValueError(f"invalid {kind} constraint: {_short('; '.join(messages))}")
     return grammar
+
+
+def _short(error: object, limit: int = 500) -> str:
+    """A grammar engine's message as a client may read it: bounded (it can quote the whole
+    spec, up to 64 KiB)."""
+    text = str(error)
+    return text if len(text) <= limit else text[:limit] + "..."

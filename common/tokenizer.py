@@ -23,6 +23,14 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
                        "cls_token", "mask_token")
 
 
+class TooManyTokens(ValueError):
+    """A text has more tokens than asked for (`num_tokens` of them)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -68,23 +76,40 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @property
+    def template_variables(self) -> frozenset[str] | None:
+        """The variables the chat template reads; None without a template."""
+        return self.template.variables if self.template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_tokens: int | None = None) -> list[int]:
+        """The text's ids; TooManyTokens when there are more than `max_tokens` of them."""
         if len(text) > _RELEASE_GIL_CHARS:
             # `encode_batch` releases the GIL while it works and `encode` holds it throughout
             # (0.6 s for 1 MiB of text): a thread tokenizing a long text then lets the event
             # loop and every other thread run (bench/abuse.py). Same ids either way.
-            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        # Counted before the ids become a Python list: building millions of ints holds the GIL
+        # (0.5 s for 5 MB of text), and a prompt past the limit needs none of them.
+        if max_tokens is not None and len(enc) > max_tokens:
+            raise TooManyTokens(len(enc))
+        return enc.ids
 
-    def encode_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | list[str] | list[list[int]],
+                      max_tokens: int | None = None) -> list[int]:
         """The token ids of an OpenAI completions `prompt` (text, ids, or a batch of one of
-        either); ValueError for a batch of several, which servers here take one at a time."""
+        either); ValueError for a batch of several, which servers here take one at a time, and
+        TooManyTokens past `max_tokens`."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.encode(prompt)
+            return self.encode(prompt, max_tokens=max_tokens)
         if prompt and isinstance(prompt[0], int):
+            if max_tokens is not None and len(prompt) > max_tokens:
+                raise TooManyTokens(len(prompt))
             return list(prompt)
-        if len(prompt) == 1:
-            return self.encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
         raise ValueError("send one prompt per request")
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -106,9 +131,10 @@ class Tokenizer:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    max_tokens: int | None = None, **kwargs: Any) -> list[int]:
         # As transformers does: the template already carries the special tokens.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False,
+                           max_tokens)
 
 
 class TextStream:

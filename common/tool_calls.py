@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.chat_messages import NamedToolChoice, Tool
-from common.protocol import SamplingOptions, StructuredOutput
-from common.structured import compile_grammar
+from common.protocol import MAX_GRAMMAR_CHARS, SamplingOptions, StructuredOutput
+from common.structured import StructuredError, compile_grammar
 
 ARGUMENT_PIECE_CHARS = 16  # streamed arguments come in pieces of about this size
 
@@ -71,34 +71,48 @@ PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
 
 
 def tool_constraint(tools: list[Tool] | None, choice, parallel: bool | None) -> StructuredOutput | None:
-    """The JSON schema that `required` or a named `tool_choice` puts on the output."""
+    """The JSON schema that `required` or a named `tool_choice` puts on the output;
+    StructuredError (naming `tool_choice`) when there can be none."""
     if not tools or choice in (None, "none", "auto"):
         return None
     by_name = {t.function.name: t.function for t in tools}
     if isinstance(choice, NamedToolChoice):
         fn = by_name.get(choice.function.name)
         if fn is None:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        return StructuredOutput(kind="json", spec=json.dumps(_parameters(fn)))
+            raise StructuredError(f"names {choice.function.name!r}, which is not in tools",
+                                  "tool_choice")
+        return _json_constraint(_parameters(fn))
     items = {"anyOf": [{"type": "object", "additionalProperties": False,
                         "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
                         "required": ["name", "parameters"]} for name, fn in by_name.items()]}
     schema = {"type": "array", "minItems": 1, "items": items}
     if parallel is False:
         schema["maxItems"] = 1
-    return StructuredOutput(kind="json", spec=json.dumps(schema))
+    return _json_constraint(schema)
+
+
+def _json_constraint(schema: dict) -> StructuredOutput:
+    spec = json.dumps(schema)
+    if len(spec) > MAX_GRAMMAR_CHARS:  # StructuredOutput's own check would be pydantic's text
+        raise StructuredError(f"the tools' parameter schemas come to more than "
+                              f"{MAX_GRAMMAR_CHARS} characters", "tool_choice")
+    return StructuredOutput(kind="json", spec=spec)
 
 
 def constrain_tools(body, opts: SamplingOptions) -> SamplingOptions:
     """A chat body's `required` or named tool choice as the output's constraint (the router's and
-    the workers' endpoints); ValueError when it cannot be one."""
+    the workers' endpoints); StructuredError (a ValueError naming `tool_choice`) when it cannot
+    be one."""
     forced = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
     if forced is None:
         return opts
     if opts.structured is not None:
-        raise ValueError("tool_choice 'required' or a named function cannot be combined with "
-                         "another structured output constraint")
-    compile_grammar(forced.kind, forced.spec)
+        raise StructuredError("'required' or a named function cannot be combined with another "
+                              "structured output constraint", "tool_choice")
+    try:
+        compile_grammar(forced.kind, forced.spec)
+    except ValueError as e:
+        raise StructuredError(str(e), "tool_choice") from e
     opts.structured = forced
     return opts
 
@@ -145,36 +159,46 @@ class ToolCalls:
 class ToolStream:
     """Streamed deltas for one choice. A named function's arguments stream as they are generated
     (id, type and name first); otherwise text passes through until a call can start, then is
-    held and given out as `tool_calls` deltas when the output ends."""
+    held and given out as `tool_calls` deltas when the output ends. Each piece of text is
+    scanned once (with the held-back tail): linear in the output."""
 
     def __init__(self, calls: ToolCalls) -> None:
         self.calls = calls
-        self.text = ""
+        self._parts: list[str] = []  # the whole text, joined once at the end
+        self._pending = ""  # text after what was given out, before a call's tag is seen
+        self._call_seen = False
         self.sent = 0  # characters of text given out as content
         self.num_calls = 0
         self._named = ToolCall(calls.name, "") if calls.mode == "named" else None
 
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """New text; the content and the tool-call deltas that may be sent now."""
-        self.text += text
+        self._parts.append(text)
         if self._named is not None:
             deltas = [] if self.num_calls else [_head(0, self._named)]
             self.num_calls = 1
             if text:
                 deltas.append({"index": 0, "function": {"arguments": text}})
             return "", deltas
-        if self.calls.mode == "required":
-            return "", []  # a JSON array of calls: given out whole at the end
+        if self.calls.mode == "required" or self._call_seen:
+            return "", []  # a JSON array of calls, or a call begun: given out at the end
         start = self.calls.parser.start
-        held_from = self.text.find(start)
-        if held_from < 0:  # hold back a tail that could be the start of the tag
-            held_from = len(self.text)
-            for k in range(min(len(start) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(start[:k]):
-                    held_from = len(self.text) - k
+        pending = self._pending + text
+        held_from = pending.find(start)
+        if held_from >= 0:
+            self._call_seen = True
+        else:  # hold back a tail that could be the start of the tag
+            held_from = len(pending)
+            for k in range(min(len(start) - 1, len(pending)), 0, -1):
+                if pending.endswith(start[:k]):
+                    held_from = len(pending) - k
                     break
-        out = self.text[self.sent:held_from]
-        self.sent = max(self.sent, held_from)
+        out, self._pending = pending[:held_from], pending[held_from:]
+        self.sent += len(out)
         return out, []
 
     def finish(self) -> tuple[str, list[dict]]:
@@ -183,9 +207,10 @@ class ToolStream:
             deltas = [] if self.num_calls else [_head(0, self._named)]
             self.num_calls = 1
             return "", deltas
-        content, calls = self.calls.split(self.text)
-        rest = (content or "")[self.sent:] if calls else self.text[self.sent:]
-        self.sent = len(self.text)
+        text = self.text
+        content, calls = self.calls.split(text)
+        rest = (content or "")[self.sent:] if calls else text[self.sent:]
+        self.sent = len(text)
         deltas = []
         for index, call in enumerate(calls):
             deltas.append(_head(index, call))

@@ -1,6 +1,7 @@
 """The decode side of a KV transfer: check a prefill worker's signed handle, then pull the blocks
-this worker lacks through the KV connector (docs/contract.md request path, step 6). Any failure falls
-back to local prefill; nothing a peer sends can fail the request."""
+this worker lacks through the KV connector (docs/contract.md request path, step 6). A failed pull
+(worker/generation.py) is prefilled locally or fails the request cleanly, by the worker's
+--kv-pull-failure-policy; nothing a peer sends can do more."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ class BlockImporter:
     """`worker.role.KVImporter` over the worker's `KVConnector` (NIXL or TCP)."""
 
     def accepts(self, state: WorkerState, kvp: KVTransferParams, prompt: list[int],
-                request_id: str) -> bool:
+                request_id: str, cache_salt: str | None = None) -> bool:
         """Signed by a holder of the internal token, unexpired, and issued for exactly this
-        prompt (kv_transfer/handle.py)."""
+        prompt's blocks under its cache salt (kv_transfer/handle.py)."""
         s = state.settings
         try:
-            handle.verify(kvp, s.internal_token, prompt, state.core.hasher(prompt),
+            handle.verify(kvp, s.internal_token, prompt, state.core.hasher(prompt, cache_salt=cache_salt),
                           s.require_signed_handles)
         except handle.InvalidHandle as e:
             state.metrics.pull_fallbacks.labels("invalid_handle").inc()
@@ -57,10 +58,9 @@ class BlockImporter:
         except (TransferError, LayoutMismatch, BlockRangeError, ValueError) as e:
             timed_out = isinstance(e, TransferTimeout) or "timed out" in str(e)
             state.metrics.pull_fallbacks.labels("timeout" if timed_out else type(e).__name__).inc()
-            log.warning("KV pull failed (%s); prefilling locally", e, extra={"request_id": request_id})
-            return False, 0
-        except Exception as e:  # noqa: BLE001 - whatever a peer sent, the request falls back
+            log.warning("KV pull failed (%s)", e, extra={"request_id": request_id})
+        except Exception as e:  # noqa: BLE001 - whatever a peer sent, the request goes on
             state.metrics.pull_fallbacks.labels("error").inc()
-            log.exception("KV pull failed unexpectedly (%s); prefilling locally", e,
-                          extra={"request_id": request_id})
-            return False, 0
+            log.exception("KV pull failed unexpectedly (%s)", e, extra={"request_id": request_id})
+        # A peer that only had to be told its lease can end (every block was here) failed nothing.
+        return num_local >= num_kv_blocks, 0

@@ -79,6 +79,11 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
         )
 
+    def stop_ids(self, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+        """The ids that end a sequence: the config's EOS ids, then the tokenizer's, once each."""
+        extra = () if tokenizer_eos_id is None else (tokenizer_eos_id,)
+        return tuple(dict.fromkeys(self.eos_token_ids + extra))
+
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

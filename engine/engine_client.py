@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from common.protocol import Tenant
 from engine.llm_engine import DuplicateRequestId, RequestOutput
 from engine.output_stream import OutputStream
 from engine.sampling_params import SamplingParams
@@ -114,12 +115,12 @@ class EngineClient:
         params: SamplingParams,
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
-        client: str | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[RequestOutput]:
         stream = self.open_stream(request_id)
         try:
             await self.call("add_request", request_id, prompt_token_ids, params,
-                            output_token_ids, hold_blocks, client)
+                            output_token_ids, hold_blocks, tenant)
         except BaseException:
             self.close_stream(request_id)
             raise

@@ -53,7 +53,7 @@ class KVCacheManager:
             return
         parent = seq.block_hashes[-1] if have else None
         tokens = [seq.token_at(i) for i in range(have * self.block_size, want * self.block_size)]
-        seq.block_hashes.extend(self.hasher(tokens, parent))
+        seq.block_hashes.extend(self.hasher(tokens, parent, seq.cache_salt))
 
     def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Publish the blocks that became full (all tokens computed) to the prefix cache;

@@ -16,6 +16,7 @@ import torch
 from common.block_events import BlockEvent
 from common.hashing import BlockHasher
 from common.model_identity import model_digest
+from common.protocol import Tenant
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import DecodePipeline
@@ -59,9 +60,7 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.eos_token_ids = tuple(dict.fromkeys(
-            list(mc.eos_token_ids) + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        ))
+        self.eos_token_ids = mc.stop_ids(self.tokenizer.eos_token_id)
 
         self.model = load_model(self.folder, mc, self.max_model_len, self.device, self.dtype,
                                 config.pack_weights, config.load_format, config.seed)
@@ -95,7 +94,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      output_token_ids: list[int] | None, client: str | None = None) -> Sequence:
+                      output_token_ids: list[int] | None, tenant: Tenant | None = None) -> Sequence:
         if request_id in self.requests or request_id in self.held or request_id in self.importing:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt, out = list(prompt_token_ids), list(output_token_ids or [])
@@ -103,7 +102,9 @@ class LLMEngine:
         if self.kv.num_blocks_for(len(prompt) + len(out) + 1) > self.num_blocks:
             raise ValueError(f"prompt of {len(prompt) + len(out)} tokens does not fit in the KV cache")
         fair = self.config.scheduling_policy == "fair"  # fcfs: all as one client's (fair_share.py)
-        seq = Sequence(request_id, prompt, params, self.eos_token_ids, client=client if fair else None)
+        tenant = tenant or Tenant()  # who sent it: fair share, and the chain root of its blocks
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids, tenant.client_tag if fair
+                       else None, tenant.cache_salt)
         seq.output_token_ids = out
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -127,17 +128,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         output_token_ids: list[int] | None = None,
         hold_blocks: bool = False,
-        client: str | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
-        """Queue a request. `output_token_ids` continue an earlier stream (resume)."""
+        """Queue a request; `output_token_ids` continue an earlier stream (resume)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params or SamplingParams(),
-                                 output_token_ids, client)
+                                 output_token_ids, tenant)
         seq.hold_blocks = hold_blocks
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
     def add_imported_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             output_token_ids: list[int] | None = None, client: str | None = None):
+                             output_token_ids: list[int] | None = None, tenant: Tenant | None = None):
         """Allocate blocks for a prompt whose KV comes from elsewhere.
 
         KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
@@ -146,7 +147,7 @@ class LLMEngine:
         already here (prefix cache hits); the caller fills the rest, then calls `finish_import`.
         Raises `MemoryError` when blocks are short (the caller retries or refuses).
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids, client)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids, tenant)
         if self.pipeline is not None:
             self.pipeline.wait()  # a transfer must not race the step in flight's writes
         prefix = self.kv.computed_prefix(seq)
@@ -159,10 +160,9 @@ class LLMEngine:
         return seq, len(prefix)
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       output_token_ids: list[int] | None = None, client: str | None = None):
-        """`add_imported_request` for another thread or process: (a copy of the block table,
-        how many leading blocks are already here)."""
-        seq, num = self.add_imported_request(request_id, prompt_token_ids, params, output_token_ids, client)
+                       output_token_ids: list[int] | None = None, tenant: Tenant | None = None):
+        """`add_imported_request` across threads: (its block table, number of blocks here)."""
+        seq, num = self.add_imported_request(request_id, prompt_token_ids, params, output_token_ids, tenant)
         return list(seq.block_table), num
 
     def finish_import(self, request_id: str, success: bool) -> bool:

@@ -35,6 +35,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     client: str | None = None  # who sent it (the router's opaque tag): engine/fair_share.py
+    cache_salt: str | None = None  # its blocks' chain root (common/hashing.py chain_root)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.structured import MASK_DEADLINE_S, compile_grammar, parser_limits
+from engine.mask_worker import MaskWorker
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class StructuredOutputs:
                  mask_deadline_s: float = MASK_DEADLINE_S) -> None:
         self.tokenizer_file = tokenizer_file
         self.mask_deadline_s = mask_deadline_s
+        self._masks = MaskWorker(mask_deadline_s)
         self.vocab_size = vocab_size  # the model's (logits' width), which may pad the tokenizer's
         self.eos_token_ids = list(eos_token_ids)
 
@@ -82,28 +83,28 @@ class StructuredOutputs:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return
-        from llguidance.numpy import fill_next_token_bitmask
-
         vocab = logits.shape[1]
         bits = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)  # a bit per token, LE
-        # One row after another, on this thread: llguidance's parallel executor measured 0.83x
-        # the unconstrained decode rate on 2 cores (its threads take the CPU from torch's);
-        # sequential, 0.99x (bench/grammar.py).
+        # One row after another, on one helper thread that this thread waits for, at most
+        # `mask_deadline_s` a row (engine/mask_worker.py): llguidance's parallel executor
+        # measured 0.83x the unconstrained decode rate on 2 cores (its threads take the CPU
+        # from torch's); sequential, 0.99x (bench/grammar.py).
+        given_up = set(self._masks.fill([seqs[i].matcher for i in rows], bits))
         for j, i in enumerate(rows):
             seq = seqs[i]
-            t0 = time.perf_counter()
-            if not seq.matcher.is_error():
-                fill_next_token_bitmask(seq.matcher, bits, j)
-            elapsed = time.perf_counter() - t0
-            if seq.matcher.is_error() or elapsed > self.mask_deadline_s:
-                # This row's constraint failed: its last token is free, then it ends with an
-                # error (a grammar that stalls the engine thread stalls every request on it).
-                why = (seq.matcher.get_error() or "error") if seq.matcher.is_error() else \
-                    f"a mask took {elapsed:.2f} s (deadline {self.mask_deadline_s:g} s)"
-                log.warning("request %s: structured output failed: %s", seq.request_id,
-                            why.splitlines()[0][:200])
-                seq.matcher = FailedMatcher(why)
-                bits[j] = -1
+            # A row given up is not asked anything: its matcher is still in the helper's hands.
+            if j in given_up:
+                why = f"a mask failed or took longer than {self.mask_deadline_s:g} s"
+            elif seq.matcher.is_error():
+                why = seq.matcher.get_error() or "error"
+            else:
+                continue
+            # This row's constraint failed: its last token is free, then it ends with an error
+            # (a grammar that stalls the engine thread stalls every request on it).
+            log.warning("request %s: structured output failed: %s", seq.request_id,
+                        why.splitlines()[0][:200])
+            seq.matcher = FailedMatcher(why)
+            bits[j] = -1
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         with torch.inference_mode():  # the runner's logits are inference tensors
             allowed_t = torch.from_numpy(allowed.astype(bool)).to(logits.device)  # [rows, vocab]

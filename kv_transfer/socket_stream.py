@@ -4,7 +4,8 @@ from it without a copy, where asyncio's streams copied every byte two or three t
 buffers, `readexactly`'s bytes) and held the fallback near 0.4 GB/s on loopback.
 
 It offers what kv_transfer/tcp_wire.py's header functions use of a stream (`readexactly`,
-`write`, `drain`), so headers keep one implementation.
+`write`, `drain`), so headers keep one implementation. `readexactly` allocates as bytes arrive
+(pieces of at most 64 KiB), never a length a peer declared before it sent it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import asyncio
 import socket
 
 SOCKET_BUFFER_BYTES = 4 << 20  # fewer wake-ups per megabyte on fast links
+READ_PIECE_BYTES = 64 << 10
 
 
-def tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are small and awaited
+def enlarge_buffers(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
@@ -26,8 +26,14 @@ def tune(sock: socket.socket) -> None:
 
 
 class SocketStream:
-    def __init__(self, sock: socket.socket) -> None:
-        tune(sock)
+    """`large_buffers=False` keeps the kernel's default socket buffers (a server's connection
+    before its peer has authenticated: see `enlarge_buffers`)."""
+
+    def __init__(self, sock: socket.socket, large_buffers: bool = True) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are small and awaited
+        if large_buffers:
+            enlarge_buffers(sock)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._pending: list[bytes] = []
@@ -55,9 +61,13 @@ class SocketStream:
             got += n
 
     async def readexactly(self, n: int) -> bytes:
-        buf = bytearray(n)
-        await self.read_into(memoryview(buf))
-        return bytes(buf)
+        """Exactly `n` bytes; memory grows with what arrived, one piece ahead at most."""
+        pieces = []
+        for start in range(0, n, READ_PIECE_BYTES):
+            piece = bytearray(min(READ_PIECE_BYTES, n - start))
+            await self.read_into(memoryview(piece))
+            pieces.append(piece)
+        return b"".join(pieces)
 
     def write(self, data: bytes) -> None:
         self._pending.append(bytes(data))

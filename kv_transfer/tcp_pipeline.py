@@ -25,6 +25,12 @@ from kv_transfer.side_stream import SideStream
 MAX_IDLE_BUFFERS = 8  # host buffers kept for reuse (pinning 16 MiB costs milliseconds)
 
 
+def staged(cache: torch.Tensor, fp8: bool, staging: str) -> bool:
+    """Whether a pull goes through host buffers: a GPU cache, FP8 packing, or staging forced
+    (`staging == "always"`); a CPU cache otherwise sends and receives in place."""
+    return fp8 or cache.is_cuda or staging == "always"
+
+
 def record_bytes(layout: KVLayout, fp8: bool) -> int:
     if not fp8:
         return layout.bytes_per_block

@@ -4,7 +4,7 @@ blocks under a lease for a decode worker to pull (docs/contract.md request path,
 from __future__ import annotations
 
 from common.hashing import hash_tokens
-from common.protocol import KVTransferParams, PrefillResponse, TokenLogprob
+from common.protocol import KVTransferParams, PrefillResponse, Tenant, TokenLogprob
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer import handle
@@ -14,10 +14,13 @@ from worker.state import WorkerState
 
 async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
                       params: SamplingParams, lease_seconds: float | None,
-                      always_export: bool = False, client: str | None = None) -> PrefillResponse:
+                      always_export: bool = False, tenant: Tenant | None = None) -> PrefillResponse:
     """Prefill to the first token; keep and export the prompt's blocks unless already finished.
 
-    `client` tags who sent it, for sharing the batch fairly (engine/fair_share.py).
+    `tenant`: who sent it (the batch is shared fairly between clients; the blocks' cache salt).
+    Cancelled (its caller gone: worker/abortable.py), it holds nothing: a request still computing
+    is aborted in the engine, a finished one's blocks are released unless already exported (then
+    the lease is the caller's to cancel).
     `always_export` is vLLM's semantics: the proxy caps the prefill leg at `max_tokens: 1` and the
     decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
     """
@@ -35,7 +38,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         out: RequestOutput | None = None
         try:
             async for out in engine.generate(  # noqa: B007
-                    request_id, prompt, params, hold_blocks=True, client=client):
+                    request_id, prompt, params, hold_blocks=True, tenant=tenant):
                 pass
         except ValueError as e:
             raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
@@ -50,12 +53,21 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         state.metrics.observe_finish(out.finish_reason)
     kv = KVTransferParams()
     if done or state.connector is None:
-        await engine.call("release", request_id)
+        await engine.call("release", request_id)  # runs even if this is cancelled meanwhile
     else:
-        block_ids = await engine.call("block_table", request_id)
+        try:
+            block_ids = await engine.call("block_table", request_id)
+        except BaseException as e:
+            # Cancelled (nobody waits for it), or aborted since its first token: nothing is
+            # exported, so nothing may stay held.
+            engine.post("release", request_id)
+            if isinstance(e, KeyError):
+                raise APIError(503, "request was aborted", "aborted") from e
+            raise
+        # No await from here to the answer: a cancellation cannot land between export and reply.
         exported = state.connector.export(request_id, block_ids, lease_seconds)
         fields = dict(do_remote_prefill=True, remote_host=s.public_host, remote_port=s.port,
-                      block_hashes=core.hasher(prompt), num_tokens=len(prompt),
+                      block_hashes=core.hasher(prompt, cache_salt=tenant and tenant.cache_salt), num_tokens=len(prompt),
                       prompt_hash=hash_tokens(prompt), expires_at=exported["lease_expires_at"],
                       **exported)
         kv = KVTransferParams(**handle.sign(fields, s.internal_token))

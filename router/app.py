@@ -48,7 +48,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
                 body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
                 return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")),
-                                      api_key, client)
+                                      api_key, client, len(raw))
         except Exception as e:  # noqa: BLE001 - counted here, answered by FrontedAPI
             response = error_response(e)
             gw.metrics.count(response.status_code, body.model if body is not None else NO_MODEL)
@@ -101,8 +101,14 @@ def add_info_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/ready")
     async def ready() -> Response:
         live = [w for w in gw.directory.live() if w.accepted]  # refused workers do not count
-        ok = not gw.draining and any(w.role in ("decode", "colocated") for w in live)
-        return JSONResponse({"ready": ok, "workers": {w.worker_id: w.role for w in live},
+        roles = {w.role for w in live}
+        # What /ready waits for: a worker that decodes, and each of --ready-roles.
+        missing = [r for r in gw.settings.ready_roles if r not in roles]
+        if not roles & {"decode", "colocated"}:
+            missing.append("decode")
+        ok = not gw.draining and not missing
+        return JSONResponse({"ready": ok, "missing": sorted(set(missing)),
+                             "workers": {w.worker_id: w.role for w in live},
                              "models": served_models(gw), "redis": gw.directory.redis_ok,
                              "index": gw.index.stats() if gw.index is not None else None,
                              "draining": gw.draining}, 200 if ok else 503,
@@ -119,7 +125,7 @@ def served_models(gw: Gateway) -> list[str]:
 def model_card(gw: Gateway, name: str) -> dict:
     model = gw.catalog.get(name)
     return {"id": name, "object": "model", "created": model.created, "owned_by": "tandem",
-            "root": model.tokenizer_source, "parent": None,
+            "root": name, "parent": None,  # not the folder: its path is the operator's business
             "max_model_len": gw.directory.max_model_len(gw.settings.max_model_len_default, name)}
 
 

@@ -8,6 +8,7 @@ come back as ids, so routing, stop strings, resume and detokenization are the sa
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import socket
 from collections.abc import AsyncIterator
@@ -19,7 +20,14 @@ import orjson
 import yarl
 from pydantic import BaseModel, ValidationError
 
-from common.protocol import KVTransferParams, PrefillResponse, SamplingOptions, StreamEvent
+from common.errors import KV_TRANSFER_FAILED
+from common.protocol import (
+    KVTransferParams,
+    PrefillResponse,
+    SamplingOptions,
+    StreamEvent,
+    Tenant,
+)
 from router.worker_info import WorkerInfo
 
 
@@ -30,6 +38,13 @@ class WorkerFailure(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class TransferFailed(RuntimeError):
+    """The decode worker could not pull the prompt's KV blocks from the prefill worker (it died
+    or stalled mid-transfer) and its policy is to fail rather than recompute the prompt
+    (`--kv-pull-failure-policy fail`): no other decode worker is tried with the same handle, and
+    none recomputes it either. The client is told to retry."""
 
 
 class RequestRejected(RuntimeError):
@@ -51,6 +66,19 @@ class Timeouts:
     prefill_s: float = 60.0
     stream_stall_s: float = 30.0  # longest gap between two chunks of a decode stream
     total_s: float = 300.0
+    # The slowest rate a healthy worker prefills at (a long prompt on a small CPU): a leg that
+    # computes a prompt gets this long per token on top of its base limit.
+    prefill_min_tokens_per_s: float = 50.0
+
+    def prefill_for(self, num_uncached: int) -> float:
+        """The prefill leg's limit when `num_uncached` tokens are to be computed (the prompt's,
+        and those queued ahead of it on that worker)."""
+        return self.prefill_s + max(num_uncached, 0) / self.prefill_min_tokens_per_s
+
+    def first_event_for(self, num_tokens: int) -> float:
+        """How long a decode stream may wait for its first event: it may have to prefill
+        `num_tokens` locally first (a failed pull, decode_local, a resume)."""
+        return self.stream_stall_s + max(num_tokens, 0) / self.prefill_min_tokens_per_s
 
 
 class Backend(Protocol):
@@ -58,14 +86,21 @@ class Backend(Protocol):
                  timeouts: Timeouts) -> None: ...
 
     async def prefill(self, w: WorkerInfo, request_id: str, prompt: list[int],
-                      sampling: SamplingOptions, client_tag: str | None = None) -> PrefillResponse:
+                      sampling: SamplingOptions, tenant: Tenant | None = None,
+                      num_uncached: int | None = None) -> PrefillResponse:
         """The prefill leg's answer (common/protocol.py); `first_token_id` is None when the
-        decode leg produces every token (vLLM). `client_tag` says who sent the request (a worker
-        shares its batch fairly between clients). Raises WorkerFailure or RequestRejected."""
+        decode leg produces every token (vLLM). `tenant` says who sent the request (a worker
+        shares its batch fairly between clients) and salts its blocks apart. The leg's time limit grows with
+        `num_uncached`, the tokens the worker computes before it answers (default: the whole
+        prompt). Raises WorkerFailure or RequestRejected."""
+
+    async def abort(self, w: WorkerInfo, request_id: str) -> None:
+        """Tell the worker to drop `request_id` (prefilling, or its blocks held for export):
+        the router gave up on that leg. Best effort, within about a second; raises nothing."""
 
     def generate(self, w: WorkerInfo, request_id: str, prompt: list[int], sent: list[int],
                  sampling: SamplingOptions, kv_params: KVTransferParams | None,
-                 client_tag: str | None = None) -> AsyncIterator[StreamEvent]:
+                 tenant: Tenant | None = None) -> AsyncIterator[StreamEvent]:
         """Tokens after `prompt + sent`; the last event has a finish reason. Closing the
         iterator closes the HTTP stream, which aborts the request on the worker."""
 
@@ -82,11 +117,31 @@ class HTTPBackend:
                  timeouts: Timeouts) -> None:
         self.http = http
         self.model = model
-        self.prefill_timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s)
-        self.stream_timeout = aiohttp.ClientTimeout(total=timeouts.total_s, sock_read=timeouts.stream_stall_s)
+        self.timeouts = timeouts
         self.headers = {"Content-Type": "application/json"}
         if token:  # Tandem's internal token, or a vLLM server's --api-key
             self.headers["Authorization"] = f"Bearer {token}"
+
+    def prefill_timeout(self, prompt: list[int], num_uncached: int | None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeouts.prefill_for(
+            len(prompt) if num_uncached is None else num_uncached))
+
+    def stream_timeout(self, num_tokens: int) -> aiohttp.ClientTimeout:
+        """A decode stream's: its socket may stay silent until the first event (a local prefill
+        of up to `num_tokens`); `stall` bounds the gaps after that."""
+        return aiohttp.ClientTimeout(total=self.timeouts.total_s,
+                                     sock_read=self.timeouts.first_event_for(num_tokens))
+
+    async def abort(self, w: WorkerInfo, request_id: str) -> None:
+        return None  # a worker without an abort call ends a request whose connection closes
+
+
+async def stalled(read, stall_s: float | None):
+    """`await read`, within `stall_s` (None: the stream's own socket limit); TimeoutError past it."""
+    if stall_s is None:
+        return await read
+    async with asyncio.timeout(stall_s):
+        return await read
 
 
 async def post_json(http, w: WorkerInfo, path: str, headers: dict, body: dict,
@@ -127,6 +182,8 @@ async def get_json(http, w: WorkerInfo, path: str, headers: dict, parse: bool = 
 
 def check(w: WorkerInfo, status: int, raw: bytes) -> None:
     if status >= 500 or status == 429:
+        if status == 502 and _code(raw) == KV_TRANSFER_FAILED:
+            raise TransferFailed(f"{w.worker_id}: could not pull the prompt's KV blocks")
         raise WorkerFailure(f"{w.worker_id}: HTTP {status}", status)
     if status >= 400:
         raise RequestRejected(status, error_body(raw))
@@ -193,6 +250,11 @@ def _bound_receive_buffer(r: aiohttp.ClientResponse, size: int) -> None:
 def url(base: str, path: str) -> yarl.URL:
     # Parsed once per worker and path: aiohttp would parse the string again on every call.
     return yarl.URL(base + path)
+
+
+def _code(raw: bytes) -> str | None:
+    err = error_body(raw).get("error")
+    return err.get("code") if isinstance(err, dict) else None
 
 
 def error_body(raw: bytes) -> dict:

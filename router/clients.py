@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 
 from common.errors import APIError
@@ -25,16 +26,51 @@ from common.errors import APIError
 
 def client_id(api_key: str | None, peer: str | None) -> str:
     """The identity fairness counts by: a digest of the API key (never the key itself, which
-    would end up in memory dumps of this table), else the peer's address."""
+    would end up in memory dumps of this table), else the peer's address: an IPv4 address, or
+    an IPv6 address's /64 (one host is given a whole /64, so each of its addresses is not a
+    client of its own). The peer is the connection's address, or X-Forwarded-For's only from
+    the proxies in `--forwarded-allow-ips` (tandem/commands.py); anything that is not an
+    address counts as one client, `addr:invalid`."""
     if api_key:
         return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
-    return f"addr:{peer or 'unknown'}"
+    return f"addr:{client_address(peer)}"
+
+
+def client_address(peer: str | None) -> str:
+    """`peer` as fairness counts it: IPv4 as is, IPv6 as its /64 (IPv4-mapped ones as IPv4)."""
+    if not peer:
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(peer[:64])
+    except ValueError:
+        return "invalid"
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def cache_salt(api_key: str | None, requested: str | None, secret: str | None,
+               per_key: bool = True) -> str | None:
+    """The salt of a request's block chain (docs/contract.md "Cache isolation"): with an API key
+    (and `per_key`), `key:` and 32 hex digits of sha256 over `secret` (the cluster's
+    `--hash-salt`), the key and the request's own `cache_salt`, so two keys never share a block
+    and the salt names neither; else the request's `cache_salt`, or None. Every router of a
+    cluster computes the same salt for a key."""
+    if not (api_key and per_key):
+        return requested or None
+    material = "\0".join((secret or "", api_key, requested or ""))
+    return "key:" + hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
 def client_tag(client: str) -> str | None:
     """What workers are told of a client (common/protocol.py `client_tag`): a digest that
     tells clients apart without naming them (no address, no key); None for no client."""
     return hashlib.sha256(client.encode()).hexdigest()[:16] if client else None
+
+
+MAX_PACED_CLIENTS = 100_000  # clients whose pacing is remembered at once
 
 
 class ClientGate:
@@ -47,7 +83,8 @@ class ClientGate:
         self.max_waiting = max_waiting
         self.requests_per_s = requests_per_s
         self.burst = burst
-        self._due: dict[str, float] = {}  # client -> when its next request is due at the rate
+        # client -> when its next request is due at the rate, least recently paced first
+        self._due: OrderedDict[str, float] = OrderedDict()
         self._active: dict[str, int] = {}  # client -> requests past the gate (entries removed at 0)
         self._waiting: dict[str, deque[asyncio.Future]] = {}
 
@@ -79,11 +116,22 @@ class ClientGate:
             raise APIError(429, f"rate limit of {self.requests_per_s:g} requests per second for "
                            "this client reached", "rate_limit_exceeded",
                            headers={"Retry-After": str(max(1, round(delay)))})
-        if len(self._due) > 100_000:  # bounded: forget clients whose every request is past due
-            self._due = {c: t for c, t in self._due.items() if t > now}
         self._due[client] = due + interval
+        self._due.move_to_end(client)
+        self._forget(now)
         if delay > 0:
             await asyncio.sleep(delay)
+
+    def _forget(self, now: float) -> None:
+        """Drop clients whose every request is past due, least recently paced first: an entry
+        is due at most (2 x burst + 1) intervals after it was last paced, so the table holds the
+        clients paced within that horizon, each dropped once (amortised O(1) a request; it was
+        rebuilt on every request once 100,000 clients were in their interval). Past
+        `MAX_PACED_CLIENTS` the least recently paced go even if not yet due (they get a fresh
+        burst: a client with that many identities has those anyway)."""
+        due = self._due
+        while due and (len(due) > MAX_PACED_CLIENTS or next(iter(due.values())) <= now):
+            due.popitem(last=False)
 
     async def _acquire(self, client: str) -> None:
         if self._active.get(client, 0) < self.max_requests and not self._waiting.get(client):

@@ -10,8 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from common.protocol import RequestTiming, SamplingOptions, StreamEvent, TokenLogprob
-from router.backend import Backend, WorkerFailure
+from common.protocol import (
+    PrefillResponse,
+    RequestTiming,
+    SamplingOptions,
+    StreamEvent,
+    Tenant,
+    TokenLogprob,
+)
+from router.backend import Backend, RequestRejected, TransferFailed, WorkerFailure
 from router.policy import Plan
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
@@ -47,40 +54,65 @@ class Dispatcher:
         self.directory = directory
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
+        self._aborts: set[asyncio.Task] = set()
+
+    def abort(self, w: WorkerInfo, request_id: str) -> None:
+        """Tell `w` to drop `request_id` (a leg given up on), without waiting for it: in a task of
+        its own, so the cancellation that gave the leg up (a client gone) neither cancels the
+        abort nor waits on it."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a generator finalized after its loop ended: nothing to send with
+            return
+        task = loop.create_task(self.backends[w.backend].abort(w, request_id),
+                                name=f"abort-{request_id}")
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def run(self, plan: Plan, request_id: str, prompt: list[int], sampling: SamplingOptions,
-                  trace: Trace, vocab_size: int | None = None, client_tag: str | None = None
+                  trace: Trace, vocab_size: int | None = None, tenant: Tenant | None = None
                   ) -> AsyncIterator[StreamEvent]:
         """The request's tokens; every worker answer is checked against the model's
         `vocab_size` (an id at or past it fails that worker: retried or resumed elsewhere).
-        `client_tag` goes to each worker, which shares its batch fairly between clients."""
+        `tenant` goes to each worker: its batch is shared fairly between clients, and the
+        request's blocks are salted apart (docs/contract.md "Cache isolation")."""
         sent: list[int] = []
         kv_params = None
         decode = plan.decode
+        prefilled_on: WorkerInfo | None = None
         if plan.kind == "disagg":
             # The decode worker is taken from the moment of routing, not from when its stream
             # opens: a burst routed while every prefill is still running would otherwise see idle
             # decode workers and pile onto the first one.
             decode.inflight += 1
             try:
-                pre = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace,
-                                                       vocab_size, client_tag)
+                got = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace,
+                                                       vocab_size, tenant)
             finally:
                 decode.inflight -= 1
-            if pre is not None:
+            if got is not None:
+                pre, prefilled_on = got
                 trace.num_cached_tokens = pre.num_cached_tokens
+                kv_params = pre.kv_transfer_params
                 first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
                     trace.first_token_at = time.perf_counter()
                     sent.append(first)
                     lp = pre.first_token_logprob
-                    yield StreamEvent(request_id=request_id, token_ids=[first],
-                                      finish_reason=pre.finish_reason,
-                                      num_cached_tokens=pre.num_cached_tokens,
-                                      logprobs=[lp] if lp else None)
+                    try:
+                        yield StreamEvent(request_id=request_id, token_ids=[first],
+                                          finish_reason=pre.finish_reason,
+                                          num_cached_tokens=pre.num_cached_tokens,
+                                          logprobs=[lp] if lp else None)
+                    except BaseException:
+                        # The client left before any decode worker had the handle: nobody will
+                        # pull the blocks held for it. (Once a decode worker has it, it may be
+                        # reading them: its pull, or the lease's end, frees them.)
+                        if kv_params is not None and kv_params.do_remote_prefill:
+                            self.abort(prefilled_on, request_id)
+                        raise
                     if pre.finish_reason:
                         return
-                kv_params = pre.kv_transfer_params
         tried: set[str] = set()
         while True:
             tried.add(decode.worker_id)
@@ -90,7 +122,7 @@ class Dispatcher:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
                 backend = self.backends[decode.backend]
                 async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
-                                                     kv_params, client_tag)) as events:
+                                                     kv_params, tenant)) as events:
                     async for ev in events:
                         check_vocab(decode, ev.token_ids, ev.logprobs, vocab_size)
                         if trace.first_token_at is None and ev.token_ids:
@@ -114,6 +146,13 @@ class Dispatcher:
                             self.directory.record_success(decode)
                             return
                 raise WorkerFailure(f"{decode.worker_id} ended the stream without a finish reason")
+            except TransferFailed:
+                # The decode worker's policy is to fail a request whose pull failed, not to
+                # recompute it: no other decode worker recomputes it either. The prefill worker
+                # it pulled from is the one that failed.
+                if prefilled_on is not None:
+                    self.directory.record_failure(prefilled_on)
+                raise
             except WorkerFailure as e:
                 self.directory.record_failure(decode)
                 # Resume elsewhere with every token the client has: no token lost or repeated.
@@ -135,43 +174,61 @@ class Dispatcher:
         return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
     async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace,
-                                    vocab_size: int | None, client_tag: str | None = None):
+                                    vocab_size: int | None, tenant: Tenant | None = None
+                                    ) -> tuple[PrefillResponse, WorkerInfo] | None:
+        """The first prefill answer and the worker that gave it; None: prefill locally. A leg
+        given up on (timed out, a bad answer, the client gone) is aborted on its worker."""
         tried: set[str] = set()
         p = plan.prefill
         for attempt in range(self.max_prefill_retries + 1):
             tried.add(p.worker_id)
             trace.prefill_worker = p.worker_id
             t0 = time.monotonic()
-            uncached = len(prompt) - plan.cached_blocks * p.block_size
+            # The plan's cached blocks are its own worker's; another computes the whole prompt.
+            cached = plan.cached_blocks * p.block_size if p is plan.prefill else 0
+            uncached = max(len(prompt) - cached, 0)
+            # Its time limit grows with what the worker computes before answering it.
+            to_compute = uncached + p.queued_tokens()
             p.inflight += 1
-            p.inflight_tokens += max(uncached, 0)
+            p.inflight_tokens += uncached
+            failure: WorkerFailure | None = None
             try:
                 resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling,
-                                                              client_tag)
+                                                              tenant, num_uncached=to_compute)
                 check_vocab(p, [] if resp.first_token_id is None else [resp.first_token_id],
                             [resp.first_token_logprob] if resp.first_token_logprob else None,
                             vocab_size)
+            except RequestRejected:
+                raise  # the worker refused it: nothing runs there
             except WorkerFailure as e:
-                self.directory.record_failure(p)
-                trace.retries += 1
-                others = [w for w in self.directory.live("prefill", trace.model or None)
-                          if w.worker_id not in tried]
-                if not others or attempt == self.max_prefill_retries:
-                    log.warning("prefill failed on %s (%s); decode worker prefills locally",
-                                p.worker_id, e, extra={"request_id": request_id})
-                    trace.fallback = "decode_local"
-                    return None
-                p = min(others, key=lambda w: (w.inflight, w.queued_tokens()))
-                await asyncio.sleep(self.retry_backoff_s * (2 ** attempt))
-                continue
+                failure = e
+            except BaseException:
+                self.abort(p, request_id)  # cancelled: the client left; it runs for nobody now
+                raise
             finally:
                 p.inflight -= 1
-                p.inflight_tokens -= max(uncached, 0)
-            elapsed = time.monotonic() - t0
-            trace.prefill_s = elapsed
-            learn_prefill_rate(p, len(prompt) - resp.num_cached_tokens, elapsed)
-            self.directory.record_success(p)
-            return resp
+                p.inflight_tokens -= uncached
+            if failure is None:
+                elapsed = time.monotonic() - t0
+                trace.prefill_s = elapsed
+                learn_prefill_rate(p, len(prompt) - resp.num_cached_tokens, elapsed)
+                self.directory.record_success(p)
+                return resp, p
+            if failure.status is None:
+                # No answer in time, or one refused here: the worker may still be computing it,
+                # or hold its blocks for a decode leg that will never come.
+                self.abort(p, request_id)
+            self.directory.record_failure(p)
+            trace.retries += 1
+            others = [w for w in self.directory.live("prefill", trace.model or None)
+                      if w.worker_id not in tried]
+            if not others or attempt == self.max_prefill_retries:
+                log.warning("prefill failed on %s (%s); decode worker prefills locally",
+                            p.worker_id, failure, extra={"request_id": request_id})
+                trace.fallback = "decode_local"
+                return None
+            p = min(others, key=lambda w: (w.inflight, w.queued_tokens()))
+            await asyncio.sleep(self.retry_backoff_s * (2 ** attempt))
         return None
 
 def check_vocab(w: WorkerInfo, token_ids: list[int], logprobs: list[TokenLogprob] | None,

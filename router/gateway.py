@@ -16,13 +16,12 @@ from prometheus_client import CollectorRegistry
 
 from common.background import BackgroundErrors
 from common.errors import APIError
-from common.openai_request import prompt_token_ids
-from common.protocol import SamplingOptions, StreamEvent
+from common.protocol import SamplingOptions, StreamEvent, Tenant
 from common.redis_client import connect
 from common.registry import RedisKeys
 from common.tool_calls import PARSERS
 from router.admission import Admission
-from router.backend import RequestRejected, Timeouts, WorkerFailure
+from router.backend import RequestRejected, Timeouts, TransferFailed, WorkerFailure
 from router.backends import BACKENDS
 from router.choices import Choices
 from router.clients import ClientGate
@@ -31,10 +30,9 @@ from router.index import INDEXES, PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
-from router.openai_format import text_chars
-from router.openai_models import ChatCompletionRequest
 from router.policy import NoWorkers, Plan, Policy, make_policy, plan_for
 from router.prefix_lookup import IndexUnavailable, PrefixLookup
+from router.prompts import Prompts
 from router.settings import RouterSettings
 from router.speculative import SpeculativeIndex
 from router.workers import WorkerDirectory
@@ -70,6 +68,7 @@ class Gateway:
         # Bridged vLLM workers report a prompt's blocks only after its prefill step: until then
         # this router's own recent decisions stand in (router/speculative.py).
         self.recent = SpeculativeIndex(settings.speculative_ttl_s)
+        self.prompts = Prompts(settings.offload_chars)
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> Gateway:
@@ -109,8 +108,10 @@ class Gateway:
                 connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=60),
                 auto_decompress=False, read_bufsize=1 << 20)  # one NDJSON event must fit a line
             stack.push_async_callback(http.close)
+            stack.callback(self.prompts.close)
             tokens = {"tandem": s.internal_token, "vllm": s.vllm_api_key}
-            timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s)
+            timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s,
+                                s.prefill_timeout_min_tokens_per_s)
             backends = {name: cls(http, tokens[name], s.model or "", timeouts)
                         for name, cls in BACKENDS.items()}
             backends["vllm"].report_full_prefix = s.vllm_report_full_prefix
@@ -152,19 +153,26 @@ class Gateway:
 
     # ---- one request ---------------------------------------------------------------------------
 
-    async def route(self, model: ServedModel, prompt: list[int]) -> Plan:
+    async def route(self, model: ServedModel, prompt: list[int], cache_salt: str | None = None
+                    ) -> Plan:
         t0 = time.perf_counter()
         live = self.directory.live(model=model.name)
-        lookup = PrefixLookup(model, live, self.index or model.memory_index, self.recent)
+        lookup = PrefixLookup(model, live, self.index or model.memory_index, self.recent,
+                              cache_salt)
         try:
             matches = await lookup.match(prompt)
             # The replica answers from memory even while Redis is away (a stale copy costs
             # misses only): the gauge says whether Redis itself answers, as the directory sees.
             self.metrics.redis_up.set(0 if self.directory.redis_ok is False else 1)
         except IndexUnavailable as e:
-            log.warning("prefix index unavailable (%s): load-only routing", e.__cause__)
-            self.metrics.redis_up.set(0)
             matches = e.matches
+            if e.redis_down:
+                log.warning("prefix index unavailable (%s): load-only routing", e.__cause__)
+                self.metrics.redis_up.set(0)
+            else:  # a bug, or an answer it could not read: counted and logged, not Redis down
+                self.directory.errors.record("prefix_lookup", e.__cause__,
+                                             key=f"prefix_lookup:{type(e.__cause__).__name__}")
+                self.metrics.redis_up.set(0 if self.directory.redis_ok is False else 1)
         try:
             plan = plan_for(self.policy, len(prompt), matches, live,
                             len(lookup.chains.get(model.block_size, ())), model.block_size)
@@ -186,46 +194,21 @@ class Gateway:
                            f"{', '.join(map(repr, served)) or 'no model yet'}", "model_not_found", "model")
         return model
 
-    async def prompt_ids(self, model: ServedModel, body) -> list[int]:
-        s = self.settings
-        tokenizer = model.tokenizer
-        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        limit = self.directory.max_model_len(s.max_model_len_default, model.name)
-        max_tokens = body.requested_max_tokens() or 0
-        chars = text_chars(body)
-        # Cheap checks first: a text longer than `limit` tokens could ever cover is refused
-        # before any tokenizing, and a large one is tokenized off the event loop, so a few
-        # multi-megabyte bodies cannot stall every other request (and /health).
-        max_token_bytes = tokenizer.max_token_bytes
-        if max_token_bytes and chars > max_token_bytes * limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
-                           f"request's {chars} characters of text are longer than that",
-                           "context_length_exceeded", param)
-        if chars > s.offload_chars:
-            ids = await asyncio.to_thread(prompt_token_ids, tokenizer, body)
-        else:
-            ids = prompt_token_ids(tokenizer, body)
-        if not ids:
-            raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
-        vocab_size = tokenizer.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab_size:  # also keeps them hashable as uint32
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "invalid_prompt", "prompt")
-        if len(ids) + max(max_tokens, 1) > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the request "
-                           f"has {len(ids)} prompt tokens and asks for {max_tokens} more",
-                           "context_length_exceeded", param)
-        return ids
+    async def prompt_ids(self, model: ServedModel, body, body_bytes: int = 0) -> list[int]:
+        """The request's prompt ids within the model's context (router/prompts.py)."""
+        limit = self.directory.max_model_len(self.settings.max_model_len_default, model.name)
+        return await self.prompts.token_ids(model.tokenizer, body, limit, body_bytes)
 
     async def run_one(self, body, model: ServedModel, prompt: list[int], opts: SamplingOptions,
-                      rid: str, client_rid: str | None, client_tag: str | None = None
+                      rid: str, client_rid: str | None, tenant: Tenant | None = None
                       ) -> AsyncIterator[tuple[StreamEvent, Trace]]:
-        """One choice's events as they come, each with the request's trace; `client_tag`
-        (router/clients.py) tells workers who sent it."""
-        plan = await self.route(model, prompt)
+        """One choice's events as they come, each with the request's trace; `tenant`
+        (router/clients.py) tells workers who sent it and salts its blocks."""
+        plan = await self.route(model, prompt, tenant.cache_salt if tenant else None)
         trace = Trace(plan.kind, client_request_id=client_rid, model=model.name)
         try:
             async with aclosing(self.dispatcher.run(plan, rid, prompt, opts, trace,
-                                                    model.vocab_size, client_tag)) as events:
+                                                    model.vocab_size, tenant)) as events:
                 async for ev in events:
                     if ev.finish_reason == "error":
                         # The grammar engine gave up on the constraint (engine/stop.py): the
@@ -237,6 +220,11 @@ class Gateway:
         except RequestRejected as e:
             log_failure(rid, trace, f"refused by a worker (HTTP {e.status}): {e}")
             raise APIError(e.status, str(e), "rejected_by_worker") from e
+        except TransferFailed as e:
+            log_failure(rid, trace, str(e))
+            raise APIError(503, "the prompt's KV cache was lost in transfer from the prefill "
+                           "worker, and this cluster does not recompute it; retry the request",
+                           "kv_transfer_failed", headers={"Retry-After": "1"}) from e
         except WorkerFailure as e:
             # What failed where goes to the log; the client learns only that it failed (worker
             # ids carry addresses, exception reprs carry internals).

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+import redis.exceptions
+
 from common.background import BackgroundErrors
 from common.hashing import hash_member
 from common.redis_client import slot_groups
@@ -87,6 +89,14 @@ SEARCHES = {"exact": _LEADING_MATCH_LUA, "gallop": _GALLOP_LUA}
 def _check_search(search: str) -> None:
     if search not in SEARCHES:
         raise ValueError(f"unknown index search {search!r}; choose from {', '.join(SEARCHES)}")
+
+
+# What a lookup raises when Redis (or a slot of a cluster) does not answer: the index is
+# unavailable and the router routes on load. Anything else (a bug, an answer it cannot read) is
+# not "Redis down" (router/prefix_lookup.py).
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError, OSError, TimeoutError)
 
 
 class PrefixIndex(Protocol):

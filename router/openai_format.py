@@ -47,15 +47,33 @@ def body_schema(model, served_model: str | None) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def text_chars(body) -> int:
-    """Characters of text a body asks to tokenize (chat contents or string prompts)."""
+def text_chars(body, variables: frozenset[str] = frozenset()) -> int:
+    """Characters of text a body asks to render and tokenize: every string of its messages
+    (contents, tool calls and their arguments, names) and, of the template's arguments (tools,
+    documents, `chat_template_kwargs`), those the chat template reads (`variables`); or a
+    completions prompt's strings. What the cheap context-length check counts: a template may
+    leave out part of what it reads, so a body is refused on this only far past the limit."""
     if hasattr(body, "messages"):
-        return sum(len(m.get("content") or "") for m in body.messages
-                   if isinstance(m.get("content"), str))
+        return _chars(body.messages) + sum(_chars(v) for k, v in body.template_args().items()
+                                           if k in variables)
     p = body.prompt
     if isinstance(p, str):
         return len(p)
     return sum(len(x) for x in p if isinstance(x, str))
+
+
+def _chars(value) -> int:
+    """The characters of every string value in a JSON-like value."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return total
 
 
 def correlation_id(value: str | None) -> str | None:

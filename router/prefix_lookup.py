@@ -13,6 +13,7 @@ hashed once per size, and each worker is matched and recorded in blocks of its o
 
 from __future__ import annotations
 
+from router.index import UNAVAILABLE
 from router.models import ServedModel
 from router.policy import Plan
 from router.speculative import SpeculativeIndex
@@ -20,12 +21,16 @@ from router.worker_info import WorkerInfo
 
 
 class IndexUnavailable(RuntimeError):
-    """The published index did not answer (Redis down): `matches` is the best left to route
-    on (the approximate and speculative sources, zeros for the rest)."""
+    """The published index gave no answer: `matches` is the best left to route on (the
+    approximate and speculative sources, zeros for the rest). `redis_down`: it did not answer
+    (a connection error, `router/index.py` UNAVAILABLE); otherwise it raised something else (a
+    bug, an answer it could not read), which is not Redis being down: the cause is counted as a
+    background error, never reported as `tandem_redis_up` 0."""
 
-    def __init__(self, matches: dict[str, int]) -> None:
-        super().__init__("prefix index unavailable")
+    def __init__(self, matches: dict[str, int], redis_down: bool = True) -> None:
+        super().__init__("prefix index unavailable" if redis_down else "prefix lookup failed")
         self.matches = matches
+        self.redis_down = redis_down
 
 
 def published(w: WorkerInfo) -> bool:
@@ -36,8 +41,9 @@ def published(w: WorkerInfo) -> bool:
 
 class PrefixLookup:
     def __init__(self, model: ServedModel, live: list[WorkerInfo], index,
-                 recent: SpeculativeIndex) -> None:
+                 recent: SpeculativeIndex, cache_salt: str | None = None) -> None:
         self.model, self.live, self.index, self.recent = model, live, index, recent
+        self.cache_salt = cache_salt  # the request's chain root (common/hashing.py chain_root)
         self.chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes at that size
         self._by_id = {w.worker_id: w for w in live}
 
@@ -47,22 +53,26 @@ class PrefixLookup:
         for w in self.live:
             if w.block_size not in self.chains:
                 hasher = self.model.hasher_for(w.block_size)
-                self.chains[w.block_size] = hasher(prompt) if hasher else []
+                self.chains[w.block_size] = hasher(prompt, cache_salt=self.cache_salt) \
+                    if hasher else []
         exact = [w.worker_id for w in self.live if published(w)]
         approx = [w.worker_id for w in self.live if not published(w)]
         bridged = [w.worker_id for w in self.live if published(w) and w.backend != "tandem"]
         matches: dict[str, int] = {}
-        failure = None
+        failure, down = None, False
         try:
             matches.update(await self._match(self.index, exact))
-        except Exception as e:  # noqa: BLE001 - Redis down: route on load (and the rest) alone
+        except UNAVAILABLE as e:  # Redis down: route on load (and the rest) alone
+            failure, down = e, True
+        except Exception as e:  # noqa: BLE001 - not Redis down: counted by the caller
             failure = e
+        if failure is not None:
             matches.update(dict.fromkeys(exact, 0))
         matches.update(await self._match(self.model.approx_index, approx))
         for wid, n in (await self._match(self.recent, bridged)).items():
             matches[wid] = max(matches.get(wid, 0), n)
         if failure is not None:
-            raise IndexUnavailable(matches) from failure
+            raise IndexUnavailable(matches, down) from failure
         return matches
 
     async def _match(self, source, worker_ids: list[str]) -> dict[str, int]:

@@ -12,9 +12,9 @@ import orjson
 from fastapi import Response
 
 from common.openai_response import choice, envelope, usage
-from common.protocol import TokenLogprob
+from common.protocol import Tenant, TokenLogprob
 from common.tool_calls import ToolCalls
-from router.clients import client_tag
+from router.clients import cache_salt, client_tag
 from router.gateway import Gateway
 from router.models import ServedModel
 from router.openai_format import (
@@ -28,11 +28,11 @@ from router.sse import DeadlineStreamingResponse, sse
 
 
 async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_key: str | None,
-                   client: str = "") -> Response:
+                   client: str = "", body_bytes: int = 0) -> Response:
     t_start = time.perf_counter()
     model = gw.model_for(body)
     gw.metrics.add_model(model.name)
-    prompt = await gw.prompt_ids(model, body)
+    prompt = await gw.prompt_ids(model, body, body_bytes)
     max_tokens = body.requested_max_tokens() or gw.settings.max_tokens_default
     await gw.limiter.charge(api_key, (len(prompt) + max_tokens) * body.n)
     # The router names every request itself: a client's X-Request-Id is only a correlation id
@@ -42,8 +42,12 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
     gw.metrics.prompt_tokens.labels(model.name).inc(len(prompt) * body.n)
     created = int(time.time())
     # Every choice is validated before any starts (and before an admission slot is taken).
-    opts = await gw.choices.options(body, model)
-    tag = client_tag(client)  # workers share their batch fairly between clients
+    opts = await gw.choices.options(body, model, client)  # grammar checks: clients in turn
+    # Who sent it, as workers act on it: they share their batch fairly between clients, and
+    # its blocks are salted apart from other keys' (and by the request's own cache_salt).
+    s = gw.settings
+    tag = Tenant(client_tag(client), cache_salt(api_key, body.cache_salt, s.hash_salt,
+                                                s.cache_salt_per_key))
     async with AsyncExitStack() as admitted:
         await admitted.enter_async_context(gw.admission.slot(body.priority, body.n, client))
         if body.stream:

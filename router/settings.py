@@ -100,9 +100,17 @@ class RouterSettings(BaseSettings):
     # Past these a worker counts as failed (router/backends.py Timeouts): a prefill is retried
     # elsewhere or done locally, a decode stream resumes on another worker.
     prefill_timeout_s: float = Field(60.0, description="longest prefill leg before it is retried "
-                                     "elsewhere")
+                                     "elsewhere (and aborted on its worker), plus the time its "
+                                     "uncached tokens, and those queued ahead of it there, take "
+                                     "at --prefill-timeout-min-tokens-per-s")
     stream_stall_timeout_s: float = Field(30.0, description="longest silence inside a decode "
-                                          "stream before it resumes elsewhere")
+                                          "stream before it resumes elsewhere; before its first "
+                                          "event, plus the time a local prefill of the prompt "
+                                          "takes at --prefill-timeout-min-tokens-per-s")
+    prefill_timeout_min_tokens_per_s: float = Field(50.0, gt=0, description="the slowest "
+                                                    "prefill rate a healthy worker is allowed "
+                                                    "(SmolLM2 prefills 8k tokens at ~160/s on 2 "
+                                                    "idle CPU cores, ~3x slower on busy ones)")
     max_prefill_retries: int = Field(2, description="prefill attempts on other workers after a "
                                      "failure")
     retry_backoff_s: float = Field(0.05, description="pause before a retry")
@@ -140,14 +148,27 @@ class RouterSettings(BaseSettings):
     transfer_fixed_s: float = Field(0.005, description="fixed cost of the second leg: HTTP call, "
                                     "handshake, notification")
     max_body_bytes: int = Field(4 << 20, description="largest request body")
+    cache_salt_per_key: bool = Field(True, description="salt each API key's KV blocks apart "
+                                     "(with --api-key): a key's prompts never hit another key's "
+                                     "cache, so no key learns by timing or cached_tokens what "
+                                     "another sent; off: keys share the cache")
+    forwarded_allow_ips: list[str] = Field([], description="addresses or CIDRs of the reverse "
+                                           "proxies whose X-Forwarded-For names the client, "
+                                           "repeatable (the per-client limits, fair sharing and "
+                                           "per-key cache count by it); none: the connection's "
+                                           "own address, whatever the header says")
     expose_worker_ids: bool = Field(False, description="name the prefill and decode workers "
                                     "(their ids carry host and port) in each response's "
                                     "`tandem` field; off: they are left out")
+    ready_roles: list[Literal["prefill", "decode", "colocated"]] = Field(
+        [], description="roles /ready also waits for, repeatable (e.g. prefill: not ready "
+        "while every request would be prefilled on a decode worker); a worker that decodes is "
+        "always needed")
     instance_nonce: str | None = Field(None, max_length=128, description="echoed in /ready's "
                                        "X-Tandem-Instance header, so whoever started this router "
                                        "(tandem up) knows the one answering is its own")
-    offload_chars: int = Field(16 << 10, description="texts longer than this are tokenized off "
-                               "the event loop")
+    offload_chars: int = Field(16 << 10, description="request bodies larger than this many "
+                               "bytes are rendered and tokenized off the event loop")
     max_model_len_default: int = Field(8192, description="context limit while no worker has "
                                        "published its own")
     local_prefill_interference: float = Field(0.05, description="extra cost per running decode "

@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from common.errors import APIError
 from common.openai_response import chunk_choice, envelope, usage
 from common.protocol import TokenLogprob
+from common.stops import StopCut
 from common.streams import prepend
 from common.tool_calls import ToolCalls, ToolStream
 from router.gateway import Gateway
@@ -24,7 +25,6 @@ from router.models import ServedModel
 from router.openai_format import (
     chat_logprobs,
     completion_logprobs,
-    cut_stops,
     sse_data,
     timing_field,
     wants_logprobs,
@@ -104,9 +104,8 @@ class ChoiceStream:
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield sse_data(role)
         stream = self.served.tokenizer.decode_stream()
-        stops = self.body.stop
-        hold = max((len(s) for s in stops), default=1) - 1
-        text_sent, text_all, finish, last_t = 0, "", None, None
+        stops = StopCut(self.body.stop)  # each piece of text scanned once: linear in the stream
+        finish, last_t = None, None
         async for ev, self.trace in prepend([] if first is None else [first], events):
             now = time.perf_counter()
             if last_t is None:
@@ -116,16 +115,10 @@ class ChoiceStream:
             last_t = now
             self.num_output += len(ev.token_ids)
             self.pending_lps.extend(ev.logprobs or [])
-            for t in ev.token_ids:
-                text_all += stream.step(t)
-            cut, reason = cut_stops(text_all, stops, ev.finish_reason)
-            if reason == "stop" and len(cut) < len(text_all):
-                text_all, finish = cut, "stop"
-            else:
-                finish = ev.finish_reason
-            safe = len(text_all) if finish else max(text_sent, len(text_all) - hold)
-            if safe > text_sent:
-                piece, text_sent = text_all[text_sent:safe], safe
+            piece, stopped = stops.feed("".join(stream.step(t) for t in ev.token_ids),
+                                        final=bool(ev.finish_reason))
+            finish = "stop" if stopped else ev.finish_reason
+            if piece:
                 if self.tools is None:
                     yield sse_data(self.chunk(piece, None))
                 else:

@@ -19,9 +19,10 @@ from common.protocol import (
     PrefillResponse,
     SamplingOptions,
     StreamEvent,
+    Tenant,
     TokenLogprob,
 )
-from router.backend import HTTPBackend, WorkerFailure, get_json, post_json, stream
+from router.backend import HTTPBackend, WorkerFailure, get_json, post_json, stalled, stream
 from router.worker_info import WorkerInfo
 
 
@@ -33,7 +34,8 @@ class VLLMBackend(HTTPBackend):
     # at the cost of the prefix's token ids in each event (set by the gateway).
     report_full_prefix = False
 
-    def _body(self, w: WorkerInfo, prompt: list[int], sampling: SamplingOptions) -> dict:
+    def _body(self, w: WorkerInfo, prompt: list[int], sampling: SamplingOptions,
+              tenant: Tenant | None = None) -> dict:
         body = {
             "model": w.model or self.model, "prompt": prompt, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed,
@@ -43,6 +45,8 @@ class VLLMBackend(HTTPBackend):
             # Token ids back, not text: the router detokenizes, cuts stop strings and resumes.
             "return_token_ids": True, "skip_special_tokens": False,
         }
+        if tenant is not None and tenant.cache_salt:
+            body["cache_salt"] = tenant.cache_salt  # vLLM salts the request's blocks apart too
         if sampling.logprobs is not None:
             body.update(logprobs=sampling.logprobs, return_tokens_as_token_ids=True)
         if sampling.stop:
@@ -65,14 +69,18 @@ class VLLMBackend(HTTPBackend):
     def _headers(self, request_id: str) -> dict:
         return {**self.headers, "X-Request-Id": request_id}
 
-    async def prefill(self, w, request_id, prompt, sampling, client_tag=None) -> PrefillResponse:
-        # client_tag: vLLM shares its batch first come, first served; nothing to pass it to.
-        body = self._body(w, prompt, sampling)
+    async def prefill(self, w, request_id, prompt, sampling, tenant=None,
+                      num_uncached=None) -> PrefillResponse:
+        # tenant.client_tag: vLLM shares its batch first come, first served; nothing to pass it
+        # to. Its cache_salt is vLLM's own field (_body).
+        # No abort call: vLLM aborts a request whose connection closes (the router's does when
+        # it gives the leg up); blocks it already holds for a decode side wait out its own timeout.
+        body = self._body(w, prompt, sampling, tenant)
         body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None})
         resp = await post_json(self.http, w, "/v1/completions", self._headers(request_id), body,
-                                self.prefill_timeout)
+                               self.prefill_timeout(prompt, num_uncached))
         kvp = resp.get("kv_transfer_params")
         if not kvp:
             raise WorkerFailure(f"{w.worker_id}: no kv_transfer_params in the prefill answer "
@@ -86,9 +94,9 @@ class VLLMBackend(HTTPBackend):
                                kv_transfer_params=KVTransferParams.model_construct(**kvp),
                                num_cached_tokens=int(cached or 0))
 
-    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, client_tag=None
+    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, tenant=None
                        ) -> AsyncIterator[StreamEvent]:
-        body = self._body(w, prompt + list(sent), sampling)
+        body = self._body(w, prompt + list(sent), sampling, tenant)
         body.update(max_tokens=sampling.max_tokens - len(sent), stream=True,
                     stream_options={"include_usage": True})
         if kv_params is not None:
@@ -96,12 +104,13 @@ class VLLMBackend(HTTPBackend):
         want_lp = sampling.logprobs is not None
         num_cached = None
         async with stream(self.http, w, "/v1/completions", self._headers(request_id), body,
-                           self.stream_timeout) as r:
-            last = None
-            async for line in r.content:  # SSE: "data: {...}" lines
+                          self.stream_timeout(len(prompt) + len(sent))) as r:
+            last = stall = None  # until the first chunk: the socket's limit (a prefill first)
+            while line := await stalled(r.content.readline(), stall):  # SSE: "data: {...}"
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
+                stall = self.timeouts.stream_stall_s
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break

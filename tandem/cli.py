@@ -58,12 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert again even if present")
 
     p = add("chat", commands.cmd_chat, "answer one chat prompt with the offline engine")
-    p.add_argument("prompt")
-    p.add_argument("--system", default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", default=None, help="a system message before the prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (same seed, "
+                   "same answer)")
+    p.add_argument("--json", action="store_true", help="print the whole output as JSON")
     engine_skip = tuple(f for f in WorkerSettings.model_fields if f not in ENGINE_FIELDS)
     add_settings_flags(p, WorkerSettings, skip=engine_skip, aliases=WORKER_ALIASES)
 
@@ -86,25 +87,42 @@ def build_parser() -> argparse.ArgumentParser:
             "and mirror its KV cache events into their exact prefix index (one per vLLM server)")
     add_settings_flags(p, BridgeSettings)
 
-    for name, func, text in (("up", commands.cmd_up, "start a local cluster (Redis, workers, router)"),
+    for name, func, text in (("up", commands.cmd_up, "start a local cluster (Redis, workers, "
+                              "router); the router's other settings reach it through their "
+                              "TANDEM_ROUTER_* variables, the workers' through TANDEM_*"),
                              ("demo", commands.cmd_demo,
                               "start a local cluster with SmolLM2 and answer a chat")):
         p = add(name, func, text)
-        p.add_argument("--model", default="smollm2-135m-instruct")
-        p.add_argument("--cache-dir", default=None)
+        p.add_argument("--model", default="smollm2-135m-instruct", help="a prepared model's "
+                       "name, or a Hugging Face folder")
+        p.add_argument("--cache-dir", default=None, help="where prepared models live "
+                       "($TANDEM_CACHE_DIR, default ~/.cache/tandem)")
         p.add_argument("--port", type=int, default=8000, help="router port")
         p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-        p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+        p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the Redis to use "
+                       "(started on this port if none answers and redis-server is installed)")
         p.add_argument("--no-redis", action="store_true", help="in-process index, static workers")
         p.add_argument("--redis-cluster", action="store_true", help="--redis-url is one node of a "
                        "Redis Cluster")
         p.add_argument("--namespace", default=None, help="Redis key namespace of this cluster "
-                       "(default: local-<router port>, so two clusters on one Redis never mix)")
+                       "(default: local-<router port>-<6 random hex digits>, so two clusters on "
+                       "one Redis never mix)")
         p.add_argument("--drain-timeout-s", type=float, default=30.0, help="on stop: how long "
                        "in-flight requests may take to finish")
-        p.add_argument("--num-blocks", type=int, default=None)
+        p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker "
+                       "(default: from the workers' --kv-memory-gb)")
         p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        # The router's common settings; every other one through its TANDEM_ROUTER_* variable.
+        p.add_argument("--api-key", action="append", default=[], help="a client API key the "
+                       "router accepts, repeatable (given to it by environment); none: no key")
+        p.add_argument("--policy", default=None, help="the router's routing policy (kv_aware, "
+                       "the default, round_robin, least_loaded, random)")
+        p.add_argument("--chat-template", default=None, help="a chat template file for the router "
+                       "(e.g. templates/chatml_tools.jinja)")
+        p.add_argument("--expose-worker-ids", action="store_true",
+                       default=name == "demo", help="name the workers in each answer's `tandem` "
+                       "field (on for demo)")
         p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
         if name == "demo":
             p.add_argument("--keep", action="store_true", help="keep the cluster running afterwards")

@@ -122,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # After the drain, what is still streaming gets a moment, then is cut (the router resumes it).
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="warning", timeout_graceful_shutdown=2,
+                                           proxy_headers=False,  # only routers call workers
                                            http=timed_http_protocol(HEADER_TIMEOUT_S, 0)),
                             drain=lambda: state.drain(settings.drain_timeout_s))
     state.request_shutdown = lambda: setattr(server, "should_exit", True)
@@ -153,6 +154,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="warning",
                                            http=timed_http_protocol(settings.header_timeout_s),
+                                           # X-Forwarded-For only from the proxies listed
+                                           # (uvicorn trusts loopback's by default: any local
+                                           # client could then pick its own identity).
+                                           proxy_headers=bool(settings.forwarded_allow_ips),
+                                           forwarded_allow_ips=settings.forwarded_allow_ips or None,
                                            timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
                             drain=app.state.gateway.drain)
     run(server, [sock])
@@ -173,9 +179,11 @@ def bridge_settings(args: argparse.Namespace):
 def cmd_vllm_bridge(args: argparse.Namespace) -> int:
     import asyncio
 
+    from vllm_bridge.allocator import unmap_large_buffers
     from vllm_bridge.bridge import Bridge
 
     bridge = Bridge(bridge_settings(args))
+    unmap_large_buffers()  # event batches of MiBs: freed, they leave the process
 
     async def serve() -> None:
         # SIGTERM and SIGINT stop it the same way: the registration and block set are deleted
@@ -194,9 +202,14 @@ def cmd_vllm_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace, extra_router_args: tuple[str, ...] = ()):
+def _cluster(args: argparse.Namespace):
     from tandem.launcher import Cluster
 
+    router_args = ["--policy", args.policy] if args.policy else []
+    if args.chat_template:
+        router_args += ["--chat-template", str(Path(args.chat_template).resolve())]
+    if args.expose_worker_ids:
+        router_args.append("--expose-worker-ids")
     return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
                    num_prefill=args.prefill, num_decode=args.decode,
                    redis_url=None if args.no_redis else args.redis_url,
@@ -205,7 +218,7 @@ def _cluster(args: argparse.Namespace, extra_router_args: tuple[str, ...] = ()):
                    drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
                    extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [],
-                   extra_router_args=list(extra_router_args))
+                   extra_router_args=router_args, api_keys=list(args.api_key))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -229,8 +242,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tandem.launcher import chat
 
-    # The demo shows where each leg ran: its router names the workers (off by default).
-    cluster = _cluster(args, ("--expose-worker-ids",))
+    # The demo shows where each leg ran: its router names the workers (--expose-worker-ids is
+    # on by default for demo, off for up).
+    cluster = _cluster(args)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:
@@ -238,7 +252,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         question = "What is the capital of France? Answer in one sentence."
         messages = [{"role": "system", "content": "You are a concise assistant."},
                     {"role": "user", "content": question}]
-        out = chat(url, args.model, messages)
+        out = chat(url, args.model, messages, api_key=args.api_key[0] if args.api_key else None)
         print(f"user> {question}")
         print(f"assistant> {out['choices'][0]['message']['content']}")
         t = out.get("tandem", {})

@@ -40,6 +40,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
             kwargs["action"] = "extend"
             kwargs["nargs"] = "+"
             kwargs["metavar"] = "VALUE"
+            if choices:
+                kwargs["choices"] = choices
         else:
             kwargs["type"] = kind
             if choices:
@@ -84,8 +86,8 @@ def flag_type(annotation: Any) -> tuple[type, list[str] | None]:
         return flag_type(args[0])
     if origin is Literal:
         return str, [str(a) for a in typing.get_args(annotation)]
-    if origin is list:
-        return list, None
+    if origin is list:  # a list of choices keeps them (--ready-roles prefill decode)
+        return list, (flag_type(args[0])[1] if args else None)
     if annotation in (bool, int, float, str, Path):
         return annotation, None
     raise TypeError(f"no flag type for {annotation!r}")

@@ -58,6 +58,9 @@ class Cluster:
     internal_token: str | None = None
     extra_worker_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
+    # Client API keys of the router; given to it by environment (TANDEM_ROUTER_API_KEYS), like
+    # the token, never on its command line.
+    api_keys: list[str] = field(default_factory=list)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
     restarts: dict[str, int] = field(default_factory=dict)
@@ -148,7 +151,10 @@ class Cluster:
         else:
             for entry in static:
                 router += ["--worker", entry]
-        self._spawn("router", router, {"TANDEM_ROUTER_INSTANCE_NONCE": self.nonce})
+        env = {"TANDEM_ROUTER_INSTANCE_NONCE": self.nonce}
+        if self.api_keys:
+            env["TANDEM_ROUTER_API_KEYS"] = json.dumps(self.api_keys)
+        self._spawn("router", router, env)
         url = f"http://127.0.0.1:{port}"
         self._wait(f"{url}/ready", "router", 60, nonce=self.nonce)
         _say(f"router ready at {url}/v1 (logs in {self.log_dir}/)")
@@ -222,10 +228,13 @@ class Cluster:
         _say("stopped")
 
 
-def chat(url: str, model: str, messages: list[dict], max_tokens: int = 64) -> dict:
+def chat(url: str, model: str, messages: list[dict], max_tokens: int = 64,
+         api_key: str | None = None) -> dict:
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
             apps.append(decode_worker.create_app(settings, colocated=settings.role == "colocated"))
     servers = [_PackedServer(uvicorn.Config(app, host=base.host, port=port, log_level="warning",
-                                            timeout_graceful_shutdown=2))
+                                            timeout_graceful_shutdown=2, proxy_headers=False))
                for app, port in zip(apps, ports, strict=True)]
     asyncio.run(_serve(servers, sockets))
     return 0

@@ -61,6 +61,27 @@ def test_configuration_page_is_current():
     assert "### `tandem up`" in text and "`--prefill`" in text
 
 
+def test_every_flag_on_the_configuration_page_has_a_meaning():
+    rows = [line for line in (DOCS / "configuration.md").read_text().splitlines()
+            if line.startswith("| `")]
+    assert len(rows) > 100
+    cells = [row.split("|") for row in rows]  # ["", flag, ..., meaning, ""]
+    blank = [c[1].strip() for c in cells if not c[-2].strip()]
+    assert not blank, f"flags without a meaning: {blank}"
+
+
+def test_every_test_the_threat_model_names_exists():
+    """docs/SECURITY.md backs each line with a test by name: each name must be a test (or a
+    parametrized case of one) in tests/, so a renamed or deleted test cannot leave a claim
+    unbacked."""
+    named = set(re.findall(r"`(test_\w+)(?:\[[^\]]*\])?`", (DOCS / "SECURITY.md").read_text()))
+    assert len(named) > 40
+    defined = set()
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        defined |= set(re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M))
+    assert not named - defined, f"tests named in SECURITY.md but not defined: {named - defined}"
+
+
 def test_config_reference_write_reports_a_stale_page(tmp_path):
     from tandem.config_reference import page, write
 
@@ -136,6 +157,8 @@ def test_golden_vectors_are_the_tests_and_the_hash_function():
     hasher = BlockHasher(shown["SMOLLM2_ID"], 16)
     assert hasher(list(range(40))) == shown["RANGE40_HASHES"]
     assert hasher(shown["CHAT_PROMPT_IDS"]) == shown["CHAT_PROMPT_HASHES"]
+    assert hasher(shown["CHAT_PROMPT_IDS"], cache_salt="tenant-b") \
+        == shown["CHAT_PROMPT_HASHES_CACHE_SALTED"]
     assert BlockHasher("tiny-random", 4)(shown["EDGE_TOKENS"]) == shown["EDGE_HASHES"]
 
 
@@ -296,6 +319,9 @@ def test_openai_page_names_every_request_field():
 def test_openai_page_is_right_about_what_is_supported_and_what_is_refused():
     from pydantic import ValidationError
 
+    from common.errors import APIError
+    from router.openai_models import UNSUPPORTED
+
     models = _models()
     statuses = {status for _, _, status in _openai_rows()}
     assert statuses == {"supported", "accepted, ignored", "refused"}
@@ -310,9 +336,12 @@ def test_openai_page_is_right_about_what_is_supported_and_what_is_refused():
                 known = name in _field_names(model)
                 if known:
                     in_model_refused.add(name)
-                with pytest.raises(ValidationError):
+                # Refused by validation, or by name as a field Tandem does not serve.
+                with pytest.raises((ValidationError, APIError)):
                     model.model_validate({**body, name: REFUSED_VALUES[name] if known else True})
     assert in_model_refused == set(REFUSED_VALUES)
+    refused = {n for names, _, status in _openai_rows() if status == "refused" for n in names}
+    assert set(UNSUPPORTED) <= refused  # every field refused by name is on the page as refused
 
 
 # ---- the client snippets against a live cluster ------------------------------------------------

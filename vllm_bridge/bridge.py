@@ -8,12 +8,14 @@ many routers read it (routers subscribing themselves would make N x M subscripti
 writers per set).
 
 While the server is healthy the bridge holds a session: a BlockChain (vllm_bridge/chain.py) fed
-by an EventSubscriber (vllm_bridge/subscriber.py), published through common/publisher.py's
-WorkerPublisher. A reset from the subscriber (vLLM restarted, history lost) empties the chain and
-rewrites the set under a new epoch. When `/health` fails `unhealthy_after` times in a row, or the
-server's process start time changes, the session ends: the registration and the block set are
-deleted at once (routers drop the server within one refresh); once healthy it registers anew.
-A bad batch is counted and skipped, never fatal.
+by an EventSubscriber (vllm_bridge/subscriber.py) through an EventMirror (vllm_bridge/mirror.py,
+which decodes and hashes on a thread of its own, off this loop of probes and heartbeats),
+published through common/publisher.py's WorkerPublisher. A reset from the subscriber (vLLM
+restarted, history lost) empties the chain and rewrites the set under a new epoch. When
+`/health` fails `unhealthy_after` times in a row, or the server's process start time changes,
+the session ends: the registration and the block set are deleted at once (routers drop the
+server within one refresh); once healthy it registers anew. A bad batch is counted and
+skipped, never fatal.
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ from common.model_identity import model_digest
 from common.publisher import WorkerPublisher
 from common.registry import RedisKeys
 from vllm_bridge.chain import BlockChain
-from vllm_bridge.events import decode_batch
 from vllm_bridge.metrics import BridgeCollector, BridgeCounts, Counts
+from vllm_bridge.mirror import EventMirror, Source
 from vllm_bridge.server import ServedModel, ServerMetrics, VLLMServer
 from vllm_bridge.settings import BridgeSettings
-from vllm_bridge.subscriber import Batch, EventSubscriber, Item
 
 log = logging.getLogger(__name__)
 KV_EVENTS_FLAG = ('--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -46,21 +47,13 @@ KV_EVENTS_FLAG = ('--kv-events-config \'{"enable_kv_cache_events": true, "publis
 
 
 @dataclass
-class Source:
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str
-
-
-@dataclass
 class Session:
-    """One healthy period of the server: what it holds, and the task that mirrors it."""
+    """One healthy period of the server: what it holds, and what mirrors its events into it."""
 
     chain: BlockChain
     publisher: WorkerPublisher
+    mirror: EventMirror
     start_time: float | None
-    subscriber: EventSubscriber | None = None
-    task: asyncio.Task | None = None
     info: dict = field(default_factory=dict)
 
 
@@ -146,15 +139,16 @@ class Bridge:
         info = {k: v for k, v in info.items() if v is not None}
 
         async def snapshot() -> list[int]:
-            return chain.hashes()
+            return await mirror.snapshot()
 
         publisher = WorkerPublisher(st.redis_url, RedisKeys(st.namespace), st.resolved_worker_id,
                                     info, snapshot=snapshot, load=lambda: self.metrics.load(),
                                     ttl_s=st.heartbeat_ttl_s, errors=self.errors,
                                     token=st.internal_token, cluster=st.redis_cluster)
-        session = Session(chain, publisher, metrics.start_time, info=info)
+        mirror = EventMirror(chain, publisher, source, st, self.tally, self.errors)
+        session = Session(chain, publisher, mirror, metrics.start_time, info=info)
         publisher.start()
-        session.task = asyncio.create_task(self._mirror(session, source), name="vllm-events")
+        mirror.start()
         self.session = session
         self.own["registrations"] += 1
         log.info("registered %s as %s (%s, model %s, block size %d); events from %s, replay %s",
@@ -166,62 +160,11 @@ class Bridge:
         session, self.session = self.session, None
         if session is None:
             return
-        if session.task is not None:
-            session.task.cancel()
-            await asyncio.gather(session.task, return_exceptions=True)
+        await session.mirror.stop()  # the chain is empty after it
         self.tally.add("blocks", session.chain.counts)
-        session.chain.clear()
         await session.publisher.close(deregister=True)
         self.own["deregistrations"] += 1
         log.warning("deregistered %s: %s", self.settings.public_url, reason)
-
-    # ---- events -------------------------------------------------------------------------------
-
-    async def _mirror(self, session: Session, source: Source) -> None:
-        """Feed the subscriber's batches into the chain and the publisher, for the session."""
-        backoff = 0.5
-        while not cancelling():
-            sub = session.subscriber = EventSubscriber(
-                source.endpoint, source.replay_endpoint, source.topic,
-                replay_timeout_s=self.settings.replay_timeout_s,
-                max_payload_bytes=self.settings.max_payload_bytes)
-            try:
-                async for item in sub.items():
-                    self._apply(session, item)
-                    backoff = 0.5
-            except Exception as e:  # noqa: BLE001 - a socket error: a new subscriber, later
-                self.own["subscriber_failures"] += 1
-                self.errors.record("vllm_bridge_events", e, key="subscriber")
-            finally:
-                self.tally.add("events", sub.counts)
-                session.subscriber = None
-            # A new subscriber starts over from the publisher's oldest batch.
-            self._reset(session)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-
-    def _apply(self, session: Session, item: Item) -> None:
-        if not isinstance(item, Batch):  # vLLM restarted, or its history is lost
-            self._reset(session)
-            return
-        try:
-            batch = decode_batch(item.payload)
-            self.own["unknown_events"] += batch.num_unknown
-            events = session.chain.apply(batch)
-        except Exception as e:  # noqa: BLE001 - a bad batch never stops the mirror
-            self.own["bad_payloads"] += 1
-            self.errors.record("vllm_bridge_events", f"batch {item.seq} skipped: {e}",
-                               key="bad_payload")
-            if len(session.chain):  # it may have removed blocks still held here: start over
-                self._reset(session)
-            return
-        if events:
-            session.publisher.on_events(events)
-
-    @staticmethod
-    def _reset(session: Session) -> None:
-        session.chain.clear()
-        session.publisher.resync()  # a new epoch and an empty set: every router re-reads it
 
     # ---- what the server is -------------------------------------------------------------------
 
@@ -269,8 +212,8 @@ class Bridge:
         live = {}
         if session is not None:
             live["blocks"] = session.chain.counts
-            if session.subscriber is not None:
-                live["events"] = session.subscriber.counts
+            if session.mirror.subscriber is not None:
+                live["events"] = session.mirror.subscriber.counts
         return self.tally.read(live)
 
 

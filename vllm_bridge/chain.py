@@ -25,12 +25,16 @@ Blocks that cannot be named correctly are left out and counted (`counts`), never
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
+
 from common.block_events import BlockEvent
 from common.hashing import BlockHasher
 from vllm_bridge.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     VLLMHash,
 )
@@ -42,7 +46,8 @@ _FULL_ATTENTION = (None, "full_attention")
 
 
 class BlockChain:
-    """vLLM hash -> own hash for one worker (one data-parallel rank); not thread-safe."""
+    """vLLM hash -> own hash for one worker (one data-parallel rank). One thread applies and
+    clears; `hashes()` may be called from another (it reads between two events)."""
 
     def __init__(self, hasher: BlockHasher, max_blocks: int = 1 << 22) -> None:
         if max_blocks <= 0:
@@ -53,33 +58,41 @@ class BlockChain:
         self._own: dict[VLLMHash, int] = {}  # vLLM hash -> own hash
         self._refs: dict[int, int] = {}  # own hash -> how many vLLM hashes map to it
         self._out: list[tuple[str, list[int]]] = []
+        self._lock = threading.Lock()  # held for one event at a time
 
     def clear(self) -> None:
         """Forget everything (vLLM restarted, or its history was lost); emits nothing."""
-        self._own.clear()
-        self._refs.clear()
+        with self._lock:
+            self._own.clear()
+            self._refs.clear()
 
     def hashes(self) -> list[int]:
-        """The own hashes held: the worker's block set, for a full rewrite."""
-        return list(self._refs)
+        """The own hashes held: the worker's block set, for a full rewrite. Taken during a
+        batch, the set plus that batch's events (published after it) is still the right one:
+        each event, applied again, changes nothing."""
+        with self._lock:
+            return list(self._refs)
 
     def __len__(self) -> int:
         return len(self._own)
 
-    def apply(self, batch: EventBatch) -> list[BlockEvent]:
-        """Fold one batch in; what changed in the own-hash set, in order, to publish. Adjacent
+    def apply(self, batch: EventBatch | Iterable[Event]) -> list[BlockEvent]:
+        """Fold one batch in (its events, or an iterable that decodes them one at a time:
+        events.BatchReader); what changed in the own-hash set, in order, to publish. Adjacent
         events of one kind are merged (vLLM 0.32 sends one BlockRemoved per block)."""
         self._out = []
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._store(event)
-            elif isinstance(event, BlockRemoved):
-                self._remove(event)
-            elif isinstance(event, AllBlocksCleared):
-                self._clear_all()
-            if len(self._own) > self.max_blocks:
-                self.counts["overflow"] += 1
-                self._clear_all()
+        for event in batch.events if isinstance(batch, EventBatch) else batch:
+            with self._lock:
+                if isinstance(event, BlockStored):
+                    self._store(event)
+                elif isinstance(event, BlockRemoved):
+                    self._remove(event)
+                elif isinstance(event, AllBlocksCleared):
+                    self._clear_all()
+                if len(self._own) > self.max_blocks:
+                    self.counts["overflow"] += 1
+                    self._clear_all()
+            del event  # not held while the next one decodes
         out = [BlockEvent(kind, tuple(hashes)) for kind, hashes in self._out]  # type: ignore[arg-type]
         self._out = []
         return out
@@ -109,7 +122,8 @@ class BlockChain:
         self.counts["extra_keys"] += n - keep
         if keep == 0:
             return
-        own = self.hasher(list(ev.token_ids[: keep * ev.block_size]), parent_hash=parent)
+        tokens = ev.token_ids if keep == n else ev.token_ids[: keep * ev.block_size]
+        own = self.hasher(list(tokens), parent_hash=parent)
         for vllm_hash, own_hash in zip(ev.block_hashes[:keep], own, strict=True):
             old = self._own.get(vllm_hash)
             if old == own_hash:
@@ -140,7 +154,8 @@ class BlockChain:
             self._emit("removed", own_hash)
 
     def _clear_all(self) -> None:
-        self.clear()
+        self._own.clear()
+        self._refs.clear()
         self._out = [("cleared", [])]  # what came before in this batch no longer matters
         self.counts["cleared"] += 1
 

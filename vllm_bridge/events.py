@@ -19,16 +19,21 @@ are ignored (each vLLM release adds optional fields), never fatal.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
-MAX_PAYLOAD_BYTES = 64 << 20
 MAX_EVENTS_PER_BATCH = 1 << 16  # 0.32 sends one BlockRemoved per evicted block
 MAX_HASHES_PER_EVENT = 1 << 16  # a full report of a 1M-token prefix at block size 16
-MAX_TOKENS_PER_EVENT = 1 << 22
+MAX_TOKENS_PER_EVENT = 1 << 20  # that report's tokens
+MAX_TOKENS_PER_BATCH = 1 << 21  # one engine step: that report and as much again
+# The largest honest batch: 2^21 token ids of at most 5 bytes (10 MiB) and their 2^17 hashes at
+# block size 16 as raw 32-byte digests (4.3 MiB; vLLM's default ints take 9 bytes, 1.1 MiB), with
+# the events' framing: under 14.5 MiB. The bridge's sockets refuse larger frames (link.py).
+MAX_PAYLOAD_BYTES = 16 << 20
 MAX_BLOCK_SIZE = 1 << 16
 MAX_HASH_BYTES = 64  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 sends raw digests (32 bytes today)
 MAX_NAME_CHARS = 1024  # medium, lora_name, kv_cache_spec_kind
@@ -155,7 +160,6 @@ _MAP_EVENT = msgspec.msgpack.Decoder(_MapStored | _MapRemoved | _MapCleared)
 _ARRAY_EVENT = msgspec.msgpack.Decoder(_ArrayStored | _ArrayRemoved | _ArrayCleared)
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
-_ENCODER = msgspec.msgpack.Encoder()
 
 
 def _shape(data) -> str:
@@ -168,28 +172,46 @@ def _shape(data) -> str:
     return "other"
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes | memoryview) -> EventBatch:
     """One ZMQ payload (the third frame) as an EventBatch; ValueError if malformed."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    shape = _shape(payload)
-    if shape == "other":
-        raise ValueError("payload is not a msgpack array or map")
-    try:
-        wire = (_ARRAY_BATCH if shape == "array" else _MAP_BATCH).decode(payload)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"malformed event batch: {e}") from e
-    if not math.isfinite(wire.ts):
-        raise ValueError("event batch timestamp is not finite")
-    events: list[Event] = []
-    num_unknown = 0
-    for i, raw in enumerate(wire.events):
-        event = _decode_event(raw, i)
-        if event is None:
-            num_unknown += 1
-        else:
-            events.append(event)
-    return EventBatch(wire.ts, tuple(events), wire.data_parallel_rank, num_unknown)
+    reader = BatchReader(payload)  # (arguments are evaluated in order: num_unknown is final)
+    return EventBatch(reader.ts, tuple(reader), reader.data_parallel_rank, reader.num_unknown)
+
+
+class BatchReader:
+    """One payload's batch, its events decoded one at a time as they are iterated: decoded, a
+    token id costs ~40 bytes, so the bridge holds one event's, not a whole batch's. Raises
+    ValueError as decode_batch does; `num_unknown` counts the events skipped so far."""
+
+    def __init__(self, payload: bytes | memoryview) -> None:
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        shape = _shape(payload)
+        if shape == "other":
+            raise ValueError("payload is not a msgpack array or map")
+        try:
+            wire = (_ARRAY_BATCH if shape == "array" else _MAP_BATCH).decode(payload)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"malformed event batch: {e}") from e
+        if not math.isfinite(wire.ts):
+            raise ValueError("event batch timestamp is not finite")
+        self.ts, self.data_parallel_rank = wire.ts, wire.data_parallel_rank
+        self._raw = wire.events
+        self.num_unknown = 0
+
+    def __iter__(self) -> Iterator[Event]:
+        num_tokens = 0
+        for i, raw in enumerate(self._raw):
+            event = _decode_event(raw, i)
+            if event is None:
+                self.num_unknown += 1
+                continue
+            if isinstance(event, BlockStored):
+                num_tokens += len(event.token_ids)
+                if num_tokens > MAX_TOKENS_PER_BATCH:
+                    raise ValueError(f"event batch of over {MAX_TOKENS_PER_BATCH} token ids")
+            yield event
+            del event  # not held while the next one decodes
 
 
 def _decode_event(raw: Raw, index: int) -> Event | None:
@@ -237,41 +259,3 @@ def _stored(wire: _Stored, index: int) -> BlockStored:
     return BlockStored(wire.block_hashes, wire.parent_block_hash, wire.token_ids,
                        wire.block_size, wire.extra_keys, wire.group_idx or 0, wire.medium,
                        wire.lora_name, wire.lora_id, wire.kv_cache_spec_kind)
-
-
-def encode_batch(batch: EventBatch, *, arrays: bool = False) -> bytes:
-    """The inverse of decode_batch, as vLLM 0.32 writes it (events as tagged maps; its fields
-    without a default always, the rest only when set) or, with `arrays`, as releases before
-    PR 42892 did (tagged arrays, trailing unset fields left out). For fakes and tests."""
-    events = [_encode_arrays(ev) if arrays else _encode_map(ev) for ev in batch.events]
-    return _ENCODER.encode([batch.ts, events, batch.data_parallel_rank])
-
-
-def _encode_map(ev: Event) -> dict[str, Any]:
-    if isinstance(ev, BlockStored):
-        out = {"type": "BlockStored", "block_hashes": ev.block_hashes,
-               "parent_block_hash": ev.parent_block_hash, "token_ids": ev.token_ids,
-               "block_size": ev.block_size, "lora_id": ev.lora_id, "medium": ev.medium,
-               "lora_name": ev.lora_name}
-        optional = {"extra_keys": ev.extra_keys, "group_idx": ev.group_idx,
-                    "kv_cache_spec_kind": ev.kv_cache_spec_kind}
-        return out | {k: v for k, v in optional.items() if v is not None}
-    if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium,
-                "group_idx": ev.group_idx}
-    return {"type": "AllBlocksCleared"}
-
-
-def _encode_arrays(ev: Event) -> list[Any]:
-    if isinstance(ev, BlockStored):
-        out = ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-               ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.extra_keys,
-               ev.group_idx, ev.kv_cache_spec_kind]
-        required = 5  # tag and the four fields every release has
-    elif isinstance(ev, BlockRemoved):
-        out, required = ["BlockRemoved", ev.block_hashes, ev.medium, ev.group_idx], 2
-    else:
-        return ["AllBlocksCleared"]
-    while len(out) > required and out[-1] is None:
-        out.pop()
-    return out

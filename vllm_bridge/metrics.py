@@ -2,7 +2,8 @@
 counts its parts keep (the subscriber's, the chain's, its own), so nothing is counted twice:
 
     tandem_vllm_bridge_events_total{kind}   batches, duplicates, gaps, replays, replay_timeouts,
-                                            malformed, reconnects, reset_<reason> (subscriber.py)
+                                            malformed, dropped (past the byte budget),
+                                            reconnects, reset_<reason> (subscriber.py)
     tandem_vllm_bridge_blocks_total{kind}   stored, removed, cleared and the blocks left out, by
                                             why (chain.py)
     tandem_vllm_bridge_total{kind}          registrations, deregistrations, bad_payloads,

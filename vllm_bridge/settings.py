@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.block_events import WORKER_ID_PATTERN
+from vllm_bridge.events import MAX_PAYLOAD_BYTES
 
 # What a worker registers as its URL (common/registry.py WorkerRegistration.url): no path.
 URL_PATTERN = r"^https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?$"
@@ -79,10 +80,21 @@ class BridgeSettings(BaseSettings):
                                    "heartbeat (the bridge died)")
     replay_timeout_s: float = Field(5.0, gt=0, le=300, description="longest wait for a replay "
                                     "answer; past it the gap resets the index")
-    max_payload_bytes: int = Field(64 << 20, ge=1024, le=1 << 30, description="largest event "
-                                   "batch accepted; larger ones are skipped as malformed")
+    max_payload_bytes: int = Field(MAX_PAYLOAD_BYTES, ge=1024, le=MAX_PAYLOAD_BYTES,
+                                   description="largest event batch accepted; ZMQ drops the "
+                                   "connection of a peer that sends a larger frame")
+    max_queued_bytes: int = Field(2 * MAX_PAYLOAD_BYTES, ge=1024, le=1 << 30,
+                                  description="event batches held between the sockets and "
+                                  "decoding, in bytes; past it a batch is dropped (a gap, "
+                                  "replayed). At least --max-payload-bytes")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus "
                                      "metrics on 127.0.0.1 at this port (none: logs only)")
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> BridgeSettings:
+        if self.max_queued_bytes < self.max_payload_bytes:
+            raise ValueError("--max-queued-bytes must be at least --max-payload-bytes")
+        return self
 
     @property
     def public_url(self) -> str:

@@ -9,10 +9,10 @@ returned. The sockets and the wire are vllm_bridge/link.py's.
 was built from the batches before it is void; the batches after it start over (from seq 0 after
 "restarted", from wherever history still reaches after "history_lost"). How it gets there:
 
-- start: replay from 0 while the SUB socket queues live batches (its receive high-water mark is
-  the bound), then take live batches in order. A replay that begins above the seq asked for
-  means history is lost: reset("history_lost"), continue from what is there (Dynamo's
-  bootstrap does the same).
+- start: replay from 0 while the link queues live batches (in bytes, `max_queued_bytes`; one
+  that does not fit is dropped and counted, a gap replayed next), then take live batches in
+  order. A replay that begins above the seq asked for means history is lost:
+  reset("history_lost"), continue from what is there (Dynamo's bootstrap does the same).
 - live: seq == next: deliver. seq > next (a gap): replay. seq < next: a batch delivered before
   comes again (dropped: a replay already gave it) or another process's batch under a seq seen
   before: vLLM restarted, reset("restarted"), catch up from 0 by replay.
@@ -26,7 +26,8 @@ was built from the batches before it is void; the batches after it start over (f
   going back with "restarted", a reconnect with "reconnected"; lost blocks stay lost until vLLM
   restarts or a request reports its whole prefix (`kv_cache_report_mode: full`).
 
-Malformed messages are counted and skipped (link.py). Consecutive resets are merged into one.
+Malformed messages are counted and skipped, and batches that do not fit the link's byte budget
+are dropped and counted (link.py). Consecutive resets are merged into one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Literal
 
 import xxhash
 
+from vllm_bridge.events import MAX_PAYLOAD_BYTES
 from vllm_bridge.link import PublisherLink, ReplayTimeout
 
 log = logging.getLogger(__name__)
@@ -45,13 +47,13 @@ log = logging.getLogger(__name__)
 ResetReason = Literal["history_lost", "restarted", "reconnected"]
 RESET_REASONS: tuple[ResetReason, ...] = ("history_lost", "restarted", "reconnected")
 COUNT_KEYS = ("batches", "duplicates", "gaps", "replays", "replay_timeouts", "malformed",
-              "reconnects", *(f"reset_{r}" for r in RESET_REASONS))
+              "dropped", "reconnects", *(f"reset_{r}" for r in RESET_REASONS))
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
     seq: int
-    payload: bytes
+    payload: memoryview  # bytes-like: where ZMQ received it (vllm_bridge/link.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +68,8 @@ class EventSubscriber:
     """Subscribes to one publisher (one vLLM data-parallel rank). Not reusable: `items()` once."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
-                 replay_timeout_s: float = 5.0, max_payload_bytes: int = 64 << 20,
-                 max_buffered: int = 10_000, max_replayed: int = 1 << 20,
+                 replay_timeout_s: float = 5.0, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+                 max_queued_bytes: int = 2 * MAX_PAYLOAD_BYTES, max_replayed: int = 1 << 20,
                  window: int = 4096) -> None:
         self.endpoint = endpoint
         self.replay_timeout_s = replay_timeout_s
@@ -76,7 +78,7 @@ class EventSubscriber:
         self.link = PublisherLink(endpoint, replay_endpoint, topic.encode(), self.counts,
                                   replay_timeout_s=replay_timeout_s,
                                   max_payload_bytes=max_payload_bytes,
-                                  max_buffered=max_buffered, max_replayed=max_replayed)
+                                  max_queued_bytes=max_queued_bytes, max_replayed=max_replayed)
         self.has_replay = bool(replay_endpoint)
         self.next_seq: int | None = 0 if self.has_replay else None  # None: take the first one
         self._digests: dict[int, int] = {}  # seq -> xxh3 of its payload, the last `window`
@@ -112,7 +114,7 @@ class EventSubscriber:
                 async for item in self._on_live(*message):
                     yield item
 
-    async def _on_live(self, seq: int, payload: bytes) -> AsyncIterator[Item]:
+    async def _on_live(self, seq: int, payload: memoryview) -> AsyncIterator[Item]:
         if self.next_seq is None:  # degraded, first batch: whatever came before it is unknown
             if seq > 0:
                 yield Reset("history_lost")
@@ -148,7 +150,7 @@ class EventSubscriber:
         async for item in self._catch_up(None):
             yield item
 
-    async def _catch_up(self, live: tuple[int, bytes] | None) -> AsyncIterator[Item]:
+    async def _catch_up(self, live: tuple[int, memoryview] | None) -> AsyncIterator[Item]:
         """Replay from the last batch delivered (checking it is still the one delivered) or
         from 0, then take `live`, the batch that showed a gap, if any."""
         for _ in range(3):  # a restart found mid-replay starts it over from 0
@@ -202,7 +204,7 @@ class EventSubscriber:
             yield self._deliver(seq, payload)
         # below: the replay delivered it
 
-    def _deliver(self, seq: int, payload: bytes) -> Batch:
+    def _deliver(self, seq: int, payload: memoryview) -> Batch:
         self.next_seq = seq + 1
         self._digests[seq] = _digest(payload)
         if len(self._digests) > self.window:
@@ -216,5 +218,5 @@ class EventSubscriber:
         self._digests.clear()
 
 
-def _digest(payload: bytes) -> int:
+def _digest(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)

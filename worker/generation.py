@@ -1,12 +1,14 @@
 """One request's generation on this worker, shared by `/generate` and the OpenAI endpoints:
-with a KV handle the role's importer pulls the prompt's blocks first (local prefill if the pull
-fails or the worker has no importer), then the request joins the batch and streams."""
+with a KV handle the role's importer pulls the prompt's blocks first (local prefill if the worker
+has no importer; if the pull fails, local prefill or an error by --kv-pull-failure-policy), then
+the request joins the batch and streams."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 
+from common.errors import KV_TRANSFER_FAILED
 from common.protocol import GenerateRequest, RequestTiming
 from engine.llm_engine import DuplicateRequestId, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -34,14 +36,14 @@ async def stream_generate(
         # An invalid handle means a local prefill: nothing is pulled, nothing foreign is cached.
         remote = (kvp is not None and kvp.do_remote_prefill and state.connector is not None
                   and importer is not None
-                  and importer.accepts(state, kvp, req.prompt_token_ids, rid))
+                  and importer.accepts(state, kvp, req.prompt_token_ids, rid, req.cache_salt))
         if not remote:
             kvp = None
         if remote:
             try:
                 block_table, num_local = await engine.call(
                     "import_request", rid, req.prompt_token_ids, params, req.output_token_ids,
-                    req.client_tag)
+                    req.tenant())
             except MemoryError as e:
                 raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
             except ValueError as e:
@@ -51,12 +53,18 @@ async def stream_generate(
             ok, transfer_bytes = await importer.pull(state, kvp, rid, block_table, num_local,
                                                      num_kv_tokens)
             transfer_s = time.monotonic() - t0
+            if not ok:
+                policy = state.settings.kv_pull_failure_policy
+                state.metrics.pull_failures.labels(policy).inc()
+                if policy == "fail":  # its blocks are freed below (the request is aborted)
+                    raise APIError(502, "the prompt's KV blocks could not be pulled from the "
+                                   "prefill worker", KV_TRANSFER_FAILED)
             if not await engine.call("finish_import", rid, ok):
                 return  # aborted while pulling
         else:
             try:
                 await engine.call("add_request", rid, req.prompt_token_ids, params,
-                                  req.output_token_ids, False, req.client_tag)
+                                  req.output_token_ids, False, req.tenant())
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True

@@ -23,8 +23,13 @@ def abort_router(state: WorkerState) -> APIRouter:
 
     @router.post("/abort/{request_id}")
     async def abort(request_id: str) -> dict:
+        """Drop the request wherever it is: a prefill still computing (its task is cancelled:
+        worker/abortable.py), its blocks exported under a lease (released now), a stream."""
+        task = state.abortable.get(request_id)
+        if task is not None:
+            task.cancel()
         cancelled = state.connector.cancel_export(request_id) if state.connector else False
         aborted = await state.engine.abort(request_id)
-        return {"request_id": request_id, "aborted": aborted or cancelled}
+        return {"request_id": request_id, "aborted": aborted or cancelled or task is not None}
 
     return router

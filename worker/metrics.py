@@ -48,6 +48,9 @@ class WorkerMetrics:
         self.pull_fallbacks = _WithModel(Counter(
             "tandem_kv_pull_fallbacks", "Pulls that failed and fell back to local prefill",
             ["reason", "model"], registry=r), model)
+        self.pull_failures = _WithModel(Counter(
+            "tandem_worker_kv_pull_failures", "Failed KV pulls, by what followed "
+            "(--kv-pull-failure-policy: recompute, fail)", ["policy", "model"], registry=r), model)
         self.shed = Counter("tandem_load_shed", "Requests refused with 503 (queue full)", m,
                             registry=r).labels(model)
         self.running = Gauge("tandem_worker_running_requests", "Running sequences", registry=r)

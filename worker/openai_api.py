@@ -18,7 +18,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.auth import require_internal_token
 from common.bounds import (
@@ -27,13 +27,15 @@ from common.bounds import (
     is_request_id,
 )
 from common.chat_messages import ChatFields
+from common.errors import validation_detail
 from common.openai_request import OpenAISampling, prompt_token_ids
 from common.openai_response import choice, chunk_choice, envelope, usage
-from common.protocol import GenerateRequest, KVTransferParams
+from common.protocol import GenerateRequest, KVTransferParams, Tenant
 from common.streams import prepend
 from common.tool_calls import ToolCalls, ToolStream, constrain_tools
 from engine.engine_client import EngineDeadError
 from engine.sampling_params import SamplingParams
+from worker.abortable import run_abortable
 from worker.errors import APIError
 from worker.generation import stream_generate
 from worker.state import WorkerState
@@ -66,13 +68,17 @@ class ChatBody(_OpenAIBase, ChatFields):
 def _params(body: _OpenAIBase) -> SamplingParams:
     try:
         opts = body.sampling_options(default_max_tokens=16)
-    except ValueError as e:
+    except ValidationError as e:  # pydantic's own text (its URL, class names) is not for callers
+        message, field = validation_detail(e)
+        raise APIError(400, message, "invalid_sampling_params", field) from e
+    except ValueError as e:  # common/structured.py StructuredError: "<field>: ..."
         raise APIError(400, str(e), "invalid_sampling_params", getattr(e, "param", None)) from e
     if isinstance(body, ChatBody):
         try:
             opts = constrain_tools(body, opts)
         except ValueError as e:
-            raise APIError(400, str(e), "invalid_sampling_params", "tool_choice") from e
+            raise APIError(400, str(e), "invalid_sampling_params",
+                           getattr(e, "param", "tool_choice")) from e
     return SamplingParams.from_options(opts)
 
 
@@ -102,7 +108,9 @@ def openai_router(state: WorkerState) -> APIRouter:
         kvp = body.kv_transfer_params
         run_prefill = state.parts.prefill
         if kvp is not None and kvp.do_remote_decode and run_prefill is not None:
-            resp = await run_prefill(state, rid, ids, params, None, always_export=True)
+            resp = await run_abortable(state, request, rid, run_prefill(
+                state, rid, ids, params, None, always_export=True,
+                tenant=Tenant(cache_salt=body.cache_salt)))
             state.metrics.requests.labels("openai_prefill", "200").inc()
             text = tok.decode([resp.first_token_id])
             out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
@@ -114,7 +122,8 @@ def openai_router(state: WorkerState) -> APIRouter:
         if kvp is not None and kvp.do_remote_prefill and state.settings.role == "prefill":
             raise APIError(400, "this is a prefill worker; send the decode leg to a decode worker")
         req = GenerateRequest(request_id=rid, prompt_token_ids=ids, output_token_ids=output_ids,
-                              sampling=params.to_options(), kv_transfer_params=kvp)
+                              sampling=params.to_options(), kv_transfer_params=kvp,
+                              cache_salt=body.cache_salt)
         items = stream_generate(state, req, params)
         state.metrics.requests.labels("openai_decode" if kvp else "openai", "200").inc()
         if body.stream:

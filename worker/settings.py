@@ -91,9 +91,15 @@ class WorkerSettings(BaseSettings):
     max_lease_seconds: float = Field(120.0, description="the longest a /prefill caller may pin "
                                      "exported blocks for")
     handshake_timeout_s: float = Field(5.0, description="KV metadata handshake with a peer, "
-                                       "start to end")
-    pull_timeout_s: float = Field(10.0, description="one KV pull; past it the request is "
-                                  "prefilled locally")
+                                       "start to end; on the tcp data port, a connection's "
+                                       "preamble and request header")
+    pull_timeout_s: float = Field(10.0, description="one KV pull; past it the pull has failed "
+                                  "(see --kv-pull-failure-policy)")
+    kv_pull_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="what a decode worker does when its KV pull fails (the "
+        "prefill worker died or stalled mid-transfer): `recompute` prefills the prompt locally; "
+        "`fail` ends the request (the router answers 503 `kv_transfer_failed`, which the client "
+        "may retry, and tries no other decode worker); either frees what the pull held")
     max_unread_tokens: int = Field(64, ge=0, description="a generation whose reader (the "
                                    "router's stream, an OpenAI client) has left this many tokens "
                                    "unread is parked: out of the batch, costing the others no "

@@ -43,6 +43,8 @@ class WorkerState:
     draining: bool = False  # SIGTERM/SIGINT: new work is refused (see drain)
     num_prefill_inflight: int = 0
     num_streams: int = 0  # generations in flight (internal /generate and the OpenAI endpoints)
+    # Prefills in flight by request id, which /abort cancels (worker/abortable.py).
+    abortable: dict[str, asyncio.Task] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     # Set when the engine thread died: the process should exit with it (see on_engine_death).
     exit_code: int | None = None

@@ -33,6 +33,19 @@ def test_golden_chains():
     assert BlockHasher("tiny-random", 4)(golden.EDGE_TOKENS) == golden.EDGE_HASHES
 
 
+def test_a_cache_salt_starts_its_own_chain():
+    h = BlockHasher(golden.SMOLLM2_ID, 16)
+    salted = h(golden.CHAT_PROMPT_IDS, cache_salt="tenant-b")
+    assert salted == golden.CHAT_PROMPT_HASHES_CACHE_SALTED
+    # Restated: the root is xxh3_64(seed LE || "cache_salt:" || salt), then the usual chain.
+    root = xxhash.xxh3_64_intdigest(struct.pack("<Q", golden.SMOLLM2_SEED) + b"cache_salt:tenant-b")
+    assert salted == hash_blocks(golden.CHAT_PROMPT_IDS, 16, golden.SMOLLM2_SEED, root)
+    assert not set(salted) & set(golden.CHAT_PROMPT_HASHES)
+    assert h(golden.CHAT_PROMPT_IDS, cache_salt="") == golden.CHAT_PROMPT_HASHES  # no salt
+    # A continued chain ignores the salt: the salt lives in the first block's parent only.
+    assert h(golden.CHAT_PROMPT_IDS[16:], salted[0], cache_salt="x") == salted[1:]
+
+
 @pytest.mark.parametrize("n", [0, 15, 16, 17, 33, 100])
 def test_matches_reference_restatement(n):
     tokens = [(i * 7919) % 49152 for i in range(n)]

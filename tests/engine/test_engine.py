@@ -4,6 +4,8 @@ abort, chunked prefill, stops and the prefill/import calls the workers use."""
 import pytest
 import torch
 
+from common.hashing import BlockHasher
+from common.protocol import Tenant
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -108,6 +110,23 @@ def test_prefix_reuse_is_counted_and_exact(llm):
     assert second.num_cached_tokens == 24  # six full blocks of 4
     fresh = LLM(str(llm.engine.folder), num_blocks=256, block_size=4)
     assert second.token_ids == fresh.generate(b, GREEDY)[0].token_ids
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt(llm):
+    engine = llm.engine
+    shared = prompts(4)[3][:24]
+
+    def cached(request_id: str, tail: list[int], salt: str | None) -> int:
+        engine.add_request(request_id, shared + tail, GREEDY, tenant=Tenant(cache_salt=salt))
+        return run_all(engine)[request_id].num_cached_tokens
+
+    assert cached("a1", [1, 2, 3], "tenant-a") == 0
+    assert cached("a2", [4, 5, 6], "tenant-a") == 24  # same salt: six full blocks of 4
+    assert cached("b1", [7, 8, 9], "tenant-b") == 0  # another salt: nothing
+    assert cached("n1", [7, 8, 9], None) == 0  # no salt is a salt of its own
+    assert cached("n2", [1, 1, 1], None) == 24
+    salted = BlockHasher(engine.model_digest, 4)(shared, cache_salt="tenant-a")
+    assert set(salted) <= set(engine.cached_hashes())  # what the worker publishes
 
 
 def test_preemption_finishes_every_request_correctly(tiny_folder):

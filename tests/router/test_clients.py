@@ -149,4 +149,4 @@ def test_a_constraint_key_survives_lone_surrogates():
         tool_choice = None
 
     key = _spec_key(Body(), "guided_json")
-    assert key == _spec_key(Body(), "guided_json") and b"\\ud8ad" in key
+    assert key == _spec_key(Body(), "guided_json") and len(key) == 32  # a sha256 digest

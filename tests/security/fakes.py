@@ -1,6 +1,7 @@
 """Hostile peers for the security tests, on loopback in a thread of the test process: an HTTP
 server that answers `GET /kv/metadata` the way it is told (counting every hit), and a raw TCP
-data port that answers the tcp transport's pull header the way it is told."""
+data port that answers the tcp transport's pull header the way it is told (after its challenge
+and the receiver's preamble, which it reads but does not check: it stands for a peer that does)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import threading
 
+from kv_transfer import tcp_wire
 from kv_transfer.tcp_wire import HEADER as _HEADER
 
 
@@ -74,6 +76,8 @@ class FakePeer:
 
     async def _tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            writer.write(tcp_wire.new_challenge())
+            await reader.readexactly(tcp_wire.PREAMBLE_BYTES)
             (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
             self.tcp_requests.append(json.loads(await reader.readexactly(n)))
             answer = self.tcp_answer

@@ -18,7 +18,7 @@ import xxhash
 
 from common.hashing import hash_tokens
 from engine import SamplingParams
-from kv_transfer import handle
+from kv_transfer import handle, tcp_wire
 from tandem.cluster import TOKEN, Worker, series_sum
 from tests.security.fakes import FakePeer
 
@@ -265,21 +265,32 @@ def _block_bytes(layout: dict) -> int:
 
 
 def test_tcp_transport_refuses_a_non_ascii_token_and_keeps_serving(tcp_pd, reference):
-    """Item 12 on the data port: a token of non-ASCII characters is a refusal, not a crash."""
+    """Item 12 on the data port: a token of non-ASCII characters is a refusal, not a crash. The
+    token is proven by the preamble now (tcp_wire.py): a preamble keyed by such a token, or a
+    header sent without one (the old wire), gets the connection closed with no answer."""
     p, d = tcp_pd
     md = p.client.get("/kv/metadata").json()
     host, port = md["params"]["host"], md["params"]["port"]
-    header = json.dumps({"op": "pull", "request_id": "x", "block_ids": [0], "token": "\u00ff\u4e2d"}).encode()
-    with socket.create_connection((host, port), timeout=10) as s:
-        s.sendall(struct.pack(">I", len(header)) + header)
-        (n,) = struct.unpack(">I", _recv(s, 4))
-        reply = json.loads(_recv(s, n))
-    assert reply["ok"] is False and "token" in reply["error"]
+    header = json.dumps({"op": "pull", "request_id": "x", "block_ids": [0]}).encode()
+    for token in ("\u00ff\u4e2d", None):
+        with socket.create_connection((host, port), timeout=10) as s:
+            challenge = _recv(s, tcp_wire.CHALLENGE_BYTES)
+            first = tcp_wire.preamble(token, challenge) if token else b""
+            s.sendall(first + struct.pack(">I", len(header)) + header)
+            assert _closed(s), token
     prompt = [(47 * j + 6) % 256 for j in range(12)]
     pre = p.prefill(f"tcp-ok-{uuid.uuid4().hex[:6]}", prompt, GREEDY)
     tokens, last = decode(d, f"tcp-ok-d-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"],
                           pre["kv_transfer_params"])
     assert tokens == expected(reference, prompt) and last["timing"]["transfer_bytes"] > 0
+
+
+def _closed(s: socket.socket) -> bool:
+    """Whether the peer closed `s` without sending anything more."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:  # closed with our bytes unread: a reset
+        return True
 
 
 def _recv(s: socket.socket, n: int) -> bytes:

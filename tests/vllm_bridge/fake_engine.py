@@ -33,7 +33,8 @@ import orjson
 from aiohttp import web
 
 from tests.vllm_bridge.fake_vllm import FakePublisher, FakeServer
-from vllm_bridge.events import BlockRemoved, BlockStored, Event, EventBatch, encode_batch
+from vllm_bridge.encoding import encode_batch
+from vllm_bridge.events import BlockRemoved, BlockStored, Event, EventBatch
 
 WAIT_S = 10.0  # a guard against a hung call into the fake's thread, never a condition
 

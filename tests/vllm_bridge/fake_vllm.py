@@ -17,7 +17,8 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from vllm_bridge.events import BlockRemoved, BlockStored, EventBatch, encode_batch
+from vllm_bridge.encoding import encode_batch
+from vllm_bridge.events import BlockRemoved, BlockStored, EventBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -10,13 +10,13 @@ import pytest
 
 from tests.vllm_bridge import captures
 from vllm_bridge import events as ev
+from vllm_bridge.encoding import encode_batch
 from vllm_bridge.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     decode_batch,
-    encode_batch,
 )
 
 pack = msgspec.msgpack.encode

@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from tests.vllm_bridge import captures
 from tests.vllm_bridge.fake_vllm import FakePublisher
-from vllm_bridge.events import EventBatch, encode_batch
+from vllm_bridge.encoding import encode_batch
+from vllm_bridge.events import EventBatch
 from vllm_bridge.subscriber import Batch, EventSubscriber, Reset
 
 WAIT_S = 10.0  # a guard against hanging, never a condition
