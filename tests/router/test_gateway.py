@@ -107,6 +107,15 @@ def test_errors_have_openai_types_and_the_router_stays_up(cluster, client):
         client.completions.create(model="tiny-random", prompt="word " * 3000, max_tokens=5)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny-random", prompt="x", temperature=-1)
+    # vLLM's fields that Tandem does not serve are named as such, not as a typo would be.
+    for field, value in (("repetition_penalty", 1.1), ("best_of", 2)):
+        refused = httpx.post(f"{r.url}/v1/completions", json={
+            "model": "tiny-random", "prompt": "x", field: value}).json()["error"]
+        assert refused["param"] == field and refused["code"] == "unsupported_field"
+        assert refused["message"].startswith(f"{field} is not supported: ")
+    typo = httpx.post(f"{r.url}/v1/completions", json={
+        "model": "tiny-random", "prompt": "x", "temperatur": 0}).json()["error"]
+    assert typo["param"] == "temperatur" and typo["code"] != "unsupported_field"
     bad = httpx.post(f"{r.url}/v1/chat/completions", content=b"{nope",
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
@@ -126,7 +135,14 @@ def test_errors_have_openai_types_and_the_router_stays_up(cluster, client):
     assert chunked.status_code == 413
     assert chunked.json()["error"]["code"] == "request_too_large"
     assert httpx.get(f"{r.url}/health").status_code == 200
-    assert client.models.list().data[0].id == "tiny-random"
+    models = client.models.list().data
+    assert models[0].id == "tiny-random"
+    assert models[0].model_extra["root"] == "tiny-random"  # not the model folder's local path
+    m = r.metrics()
+    # Retries are counted from zero once a model has been asked for, so the documented
+    # `grep tandem_retries_total` finds the series before the first retry.
+    for kind in ("prefill", "resume"):
+        assert f'tandem_retries_total{{kind="{kind}",model="tiny-random"}}' in m
 
 
 def test_conditional_disaggregation_when_decode_holds_the_conversation(cluster, client):

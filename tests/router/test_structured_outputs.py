@@ -201,6 +201,33 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(cluster):
         assert msg.content and "<tool_call>" not in msg.content
 
 
+def test_auto_tool_choice_parses_a_call_the_model_makes(cluster):
+    """`auto` is not constrained: it depends on the model emitting the parser's format. SmolLM2
+    does, greedily, once the conversation shows it two calls in the template's Hermes format."""
+    client, _ = cluster
+
+    def call(city: str, i: int) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+    weather = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}, call("Paris", 1),
+                {"role": "user", "content": "Weather in Rome?"}, call("Rome", 2),
+                {"role": "user", "content": "Weather in Berlin?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=weather,
+                                         tool_choice="auto", temperature=0, max_tokens=40)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Berlin"}
+    assert not choice.message.content
+
+
 def test_langchain_structured_output_and_bind_tools(cluster, monkeypatch):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field

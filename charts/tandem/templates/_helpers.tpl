@@ -128,6 +128,7 @@ token as vLLM's API key; with vllm.kvEvents, its KV cache events (with replay) f
     - --max-model-len={{ . }}
     {{- end }}
     - '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+    - --enable-prompt-tokens-details  # answers report their cached prompt tokens
     {{- if $v.kvEvents.enabled }}
     {{- $events := include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "events" "bind" true) }}
     {{- $replay := include "tandem.kvEventsEndpoint" (dict "root" $root "socket" "replay" "bind" true) }}
@@ -173,7 +174,7 @@ image: it has the tandem CLI and no torch. The model folder, where mounted, give
 {{- $e := $root.Values.vllm.kvEvents -}}
 {{- $img := $root.Values.image.router -}}
 - name: tandem-bridge
-  image: "{{ $img.repository }}:{{ $img.tag }}"
+  image: {{ include "tandem.image" (dict "root" $root "which" "router") | quote }}
   imagePullPolicy: {{ $img.pullPolicy }}
   command: [tandem, --log-json, vllm-bridge]
   args:
@@ -224,4 +225,13 @@ image: it has the tandem CLI and no torch. The model folder, where mounted, give
 - --worker=vllm:{{ $role }}=http://{{ $name }}-{{ $i }}.{{ $name }}.{{ $root.Release.Namespace }}.svc:{{ $w.port }},model={{ $root.Values.model.name }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+
+{{- /* An image of ours, "repository:tag": `which` is router or worker. The repository is
+required: these images are built and pushed by the operator (docker/build.sh). */ -}}
+{{- define "tandem.image" -}}
+{{- $img := index .root.Values.image .which -}}
+{{- $msg := printf "image.%s.repository is not set: Tandem's images are not in a public registry. Build them (bash docker/build.sh), push them to your registry (or kind load docker-image / minikube image load) and install with --set image.router.repository=REGISTRY/tandem-router --set image.worker.repository=REGISTRY/tandem-worker (docs/deployment.md, Helm)" .which -}}
+{{- printf "%s:%s" (required $msg $img.repository) $img.tag -}}
 {{- end -}}
