@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -79,6 +80,24 @@ def summary(ms: list[float]) -> dict:
     return {"p50_ms": round(q[49], 2), "p99_ms": round(q[98], 2), "max_ms": round(max(ms), 2)}
 
 
+def abusers(url: str, body: str, clients: int, stop, out) -> None:
+    """`clients` threads posting `body` back to back until `stop`; their statuses go to `out`."""
+    answered: list[int] = []
+
+    def abuse() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                answered.append(client.post(url, content=body, headers={
+                    "Content-Type": "application/json"}).status_code)
+
+    threads = [threading.Thread(target=abuse) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(answered)
+
+
 def run_case(folder: Path, work: Path, name: str | None, clients: int, seconds: float) -> dict:
     env = {"TANDEM_ROUTER_OFFLOAD_CHARS": str(10**12)} if name and name.endswith("-loop") else {}
     size = CASES[name] if name else None
@@ -95,32 +114,25 @@ def run_case(folder: Path, work: Path, name: str | None, clients: int, seconds: 
                 pass
             assert time.monotonic() < deadline, "router did not start"
             time.sleep(0.2)
-        stop = threading.Event()
-        answered: list[int] = []
-
         if name and name.startswith("tools"):
             path, body = tools_body(folder.name, size)
         else:
             path, body = "/v1/completions", json.dumps(
                 {"model": folder.name, "prompt": "abc " * ((size or 0) // 4), "max_tokens": 4})
-
-        def abuse() -> None:
-            with httpx.Client(timeout=120) as client:
-                while not stop.is_set():
-                    r = client.post(f"{router.url}{path}", content=body,
-                                    headers={"Content-Type": "application/json"})
-                    answered.append(r.status_code)
-
-        threads = [threading.Thread(target=abuse) for _ in range(clients if size else 0)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0 if threads else 0)
+        # The abusers run in a process of their own: threads beside the probe would share its
+        # interpreter, and their GIL would be counted as the router's latency.
+        mp = multiprocessing.get_context("spawn")
+        stop, out = mp.Event(), mp.Queue()
+        proc = mp.Process(target=abusers, args=(f"{router.url}{path}", body,
+                                                clients if size else 0, stop, out))
+        proc.start()
+        time.sleep(3.0 if size else 0)  # the process has started and its clients are posting
         t0 = time.monotonic()
         ms = probe(router.url, seconds, 20.0)
         elapsed = time.monotonic() - t0
         stop.set()
-        for t in threads:
-            t.join()
+        answered = out.get(timeout=120)
+        proc.join(30)
         return {**summary(ms), "probes": len(ms), "abusive_requests": len(answered),
                 "abusive_per_s": round(len(answered) / elapsed, 1),
                 "abusive_statuses": sorted(set(answered))}

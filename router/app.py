@@ -17,7 +17,7 @@ from router.clients import client_id
 from router.front import FrontedAPI
 from router.gateway import Gateway
 from router.metrics import NO_MODEL
-from router.openai_format import body_schema, correlation_id, parse_body
+from router.openai_format import body_schema, correlation_id
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.policy import ROLES
 from router.responses import complete
@@ -46,7 +46,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
             # looping cheap refusals cannot take the event loop from the others.
             async with gw.clients.enter(client):
                 await gw.limiter.admit(api_key)  # 429 before any parsing or tokenizing
-                body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
+                body = await gw.prompts.parse(ChatCompletionRequest if chat else CompletionRequest,
+                                              raw)
                 return await complete(gw, body, chat, correlation_id(headers.get("x-request-id")),
                                       api_key, client, len(raw))
         except Exception as e:  # noqa: BLE001 - counted here, answered by FrontedAPI

@@ -53,9 +53,15 @@ def text_chars(body, variables: frozenset[str] = frozenset()) -> int:
     documents, `chat_template_kwargs`), those the chat template reads (`variables`); or a
     completions prompt's strings. What the cheap context-length check counts: a template may
     leave out part of what it reads, so a body is refused on this only far past the limit."""
-    if hasattr(body, "messages"):
-        return _chars(body.messages) + sum(_chars(v) for k, v in body.template_args().items()
-                                           if k in variables)
+    if hasattr(body, "messages"):  # what ChatFields.template_args passes, counted in place
+        n = _chars(body.messages)
+        if body.tools and body.tool_choice != "none" and "tools" in variables:
+            n += sum(len(t.function.name) + len(t.function.description or "")
+                     + _chars(t.function.parameters) for t in body.tools)
+        if body.documents and "documents" in variables:
+            n += _chars(body.documents)
+        return n + sum(_chars(v) for k, v in (body.chat_template_kwargs or {}).items()
+                       if k in variables)
     p = body.prompt
     if isinstance(p, str):
         return len(p)
