@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import provenance  # noqa: E402
 from engine.model_store import prepare_smollm2  # noqa: E402
-from tandem.cluster import Router  # noqa: E402 - the same process helper as the tests
+from testing.cluster import Router  # noqa: E402 - the same process helper as the tests
 
 CASES = {"4mib": (4 << 20) - 4096, "1mib": 1 << 20, "1mib-loop": 1 << 20,
          "tools-3.6mib": 128, "tools-1mib": 40}

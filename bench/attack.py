@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.attackers import ATTACKS, DEFAULT_ATTACKS, WRITE_TIMEOUT_S, attacker_process  # noqa: E402
-from tandem.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
+from testing.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
 
 MODEL = "tiny-random"
 VICTIM = {"Authorization": "Bearer victim-key"}

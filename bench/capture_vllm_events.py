@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.model_store import prepare_smollm2  # noqa: E402
-from tandem.cluster import free_port, wait_http_ok  # noqa: E402
+from testing.processes import free_port, wait_http_ok  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("TANDEM_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 MODEL = "smollm2-135m-instruct"

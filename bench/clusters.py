@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.bench import run  # noqa: E402
-from tandem.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
+from testing.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
 
 
 def run_on_cluster(name: str, roles: list[str], model: str, workload_name: str, sessions, work: Path, *,

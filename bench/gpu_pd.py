@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine.shapes import SHAPES  # noqa: E402
 from engine.tiny import build_tiny_random  # noqa: E402
-from tandem.cluster import Router, Worker, series_sum  # noqa: E402
+from testing.cluster import Router, Worker  # noqa: E402
+from testing.metrics import series_sum  # noqa: E402
 
 # One request at a time: few CUDA-graph buckets to capture at start (the engine and both workers).
 MAX_NUM_SEQS = 8

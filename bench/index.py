@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/index.py [--redis-url redis://127.0.0.1:6379/0] [--cluster]
 
-`--cluster` starts a local six-node Redis Cluster (tandem/redis_cluster.py) and runs there.
+`--cluster` starts a local six-node Redis Cluster (testing/redis_cluster.py) and runs there.
 For prompts of 128, 1k and 8k blocks and 32 to 256 live workers, with 1M (block, worker) entries
 stored in all: worker i holds the first (i+1)/W of the prompt's chain (so every worker's leading
 match differs: the worst case for a search) plus random filler up to its share of the 1M.
@@ -120,7 +120,7 @@ async def main_async(args) -> dict:
     cluster = None
     url = args.redis_url
     if args.cluster:
-        from tandem.redis_cluster import LocalRedisCluster
+        from testing.redis_cluster import LocalRedisCluster
 
         cluster = LocalRedisCluster(Path(tempfile.mkdtemp(prefix="bench-index-")))
         url = cluster.url

@@ -33,8 +33,9 @@ from pathlib import Path
 import httpx
 from clusters import ROOT  # bench/ is on sys.path when run as a script
 
-from tandem.cluster import Router, Worker, free_port
-from tandem.netns import Link
+from testing.cluster import Router, Worker
+from testing.netns import Link
+from testing.processes import free_port
 
 ROOT_IP, NS_IP = "10.232.0.1", "10.232.0.2"  # only inside the veth pair made here
 # (rate, token-bucket burst). Only the rate is shaped: this machine's kernel has no sch_netem

@@ -1,5 +1,5 @@
 """Rolling-restart soak: a 2P+2D tiny-random cluster behind one router under a streaming load that
-checks every answer (tandem/streaming_load.py); each round SIGTERMs every worker in turn and
+checks every answer (testing/streaming_load.py); each round SIGTERMs every worker in turn and
 starts it again, by default on a new port (a new worker id, as a rescheduled pod gets). After
 every round: the router's RSS, Redis's used memory, the keys of the cluster's namespace, and
 the answers so far (failed, lost or repeated tokens must stay at zero).
@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from engine.tiny import build_tiny_random  # noqa: E402
-from tandem.cluster import REDIS_URL, two_by_two  # noqa: E402
-from tandem.streaming_load import StreamingLoad  # noqa: E402
+from testing.cluster import two_by_two  # noqa: E402
+from testing.redis_server import REDIS_URL  # noqa: E402
+from testing.streaming_load import StreamingLoad  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpu_meter import cpu_seconds  # noqa: E402 - bench/ is on sys.path when run as a script
 
-from tandem.cluster import free_port  # noqa: E402
+from testing.processes import free_port  # noqa: E402
 
 WARMUP = 20
 

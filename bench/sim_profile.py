@@ -59,7 +59,7 @@ from loadgen.runner import RunConfig, Runner
 from sim.profile import CostProfile
 from sim.simulator import Cluster
 from sim.workload import Driver, SimSession, from_chat
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 
 CHAT_CONCURRENCY = 4
 

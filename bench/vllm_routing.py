@@ -69,9 +69,10 @@ from vllm_routing_load import (  # noqa: E402
 from loadgen.report import percentiles  # noqa: E402
 from loadgen.runner import RunConfig  # noqa: E402
 from loadgen.workload import multi_turn  # noqa: E402
-from tandem.cluster import REDIS_URL, TOKEN, Router  # noqa: E402
-from tandem.vllm_fleet import FleetIndex, VLLMBridge  # noqa: E402
-from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer  # noqa: E402
+from testing.cluster import TOKEN, Router  # noqa: E402
+from testing.redis_server import REDIS_URL  # noqa: E402
+from testing.vllm_fleet import FleetIndex, VLLMBridge  # noqa: E402
+from testing.vllm_server import MODEL, VLLMOptions, VLLMServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 BLOCK_SIZE = 32

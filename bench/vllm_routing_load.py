@@ -18,9 +18,9 @@ import httpx
 
 from loadgen.runner import RequestRecord, RunConfig, Runner
 from loadgen.workload import Session
-from tandem.cluster import ROOT, free_port
-from tandem.vllm_fleet import EventTap
-from tandem.vllm_server import MODEL
+from testing.processes import ROOT, free_port
+from testing.vllm_fleet import EventTap
+from testing.vllm_server import MODEL
 
 
 @dataclass(frozen=True)

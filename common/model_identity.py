@@ -9,8 +9,11 @@ models can never match each other even where their token ids coincide.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
+
+from common.bounds import MAX_TOKEN_ID
 
 # The files that decide a model's token ids and their meaning. The weights are left out on
 # purpose: hashing gigabytes at every start would cost minutes, and two folders that differ only
@@ -43,6 +46,21 @@ def model_digest(folder: str | Path) -> str:
     if not found:
         raise FileNotFoundError(f"{folder} has no config or tokenizer files to identify the model by")
     return h.hexdigest()[:DIGEST_CHARS]
+
+
+def config_vocab_size(folder: str | Path) -> int | None:
+    """The vocabulary size in a model folder's config.json (a multimodal config's text part
+    too), or None where there is none or it is no valid size. The one reader of it for the
+    router and the vLLM bridge (what they register and check token ids against)."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text()[:1 << 20])
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    # bool is an int: `"vocab_size": true` is no size.
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    return size if 0 < size <= MAX_TOKEN_ID + 1 else None
 
 
 def is_name(name: object) -> bool:

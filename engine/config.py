@@ -98,11 +98,6 @@ class ModelConfig:
                 cfg["eos_token_id"] = _merge_ids(cfg.get("eos_token_id"), gen["eos_token_id"])
         return cls.from_dict(cfg)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers, at 2 bytes per value."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
-
 
 def _merge_ids(a: Any, b: Any) -> list[int]:
     out: list[int] = []

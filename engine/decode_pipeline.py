@@ -19,19 +19,22 @@ and the next `step()` runs the synchronous loop, which may start an overlap agai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.input_buffers import upload
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
 from engine.output import RequestOutput
-from engine.sampler import SampledBatch
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sampler import SampledBatch, Sampler
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import Logprob, Sequence
 
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+# The engine's output step for one sampled token: append it, check the stops, finish the
+# sequence if one hit (out of the scheduler, blocks freed or held); its output.
+AppendToken = Callable[[Sequence, int, Logprob | None], RequestOutput]
 
 
 @dataclass
@@ -41,10 +44,14 @@ class InFlightStep:
 
 
 class DecodePipeline:
-    """Holds at most one decode step whose tokens the host has not read yet."""
+    """Holds at most one decode step whose tokens the host has not read yet. It runs the
+    engine's scheduler, KV manager, model runner and sampler, and hands each token it reads to
+    `append_token`, as the synchronous loop does."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, runner: ModelRunner,
+                 sampler: Sampler, append_token: AppendToken, max_model_len: int) -> None:
+        self.scheduler, self.kv, self.runner, self.sampler = scheduler, kv, runner, sampler
+        self.append_token, self.max_model_len = append_token, max_model_len
         self.in_flight: InFlightStep | None = None
         self.enabled = True  # False: the step in flight is finished, no new overlap starts
         self.num_overlapped_steps = 0  # steps queued before the previous one was read
@@ -58,7 +65,7 @@ class DecodePipeline:
 
     def qualifies(self, out: SchedulerOutput) -> bool:
         """Whether a step the scheduler just made may start an overlap."""
-        s = self.engine.scheduler
+        s = self.scheduler
         return (self.enabled and not out.preempted and not s.waiting
                 and len(out.scheduled) == len(s.running)
                 and all(item.num_new_tokens == 1 and item.samples and self._overlappable(item.seq)
@@ -66,18 +73,16 @@ class DecodePipeline:
 
     def start(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Queue a qualifying step with its input ids from the host, then go on as `step`."""
-        e = self.engine
-        logits, rows = e.runner.execute(out.scheduled)
-        e._advance(out)
+        logits, rows = self.runner.execute(out.scheduled)
+        self.scheduler.advance(out)
         seqs = [r.seq for r in rows]
-        self.in_flight = InFlightStep(seqs, e.sampler.launch(logits, seqs))
+        self.in_flight = InFlightStep(seqs, self.sampler.launch(logits, seqs))
         return self.step()
 
     def step(self) -> list[RequestOutput]:
         """Queue the next step (when it qualifies), then read and return the one before."""
         prev = self.in_flight
         assert prev is not None
-        e = self.engine
         continuing = [s for s in prev.seqs if not s.is_finished]
         alive = self._next_batch(continuing)
         self.in_flight = None
@@ -90,10 +95,10 @@ class DecodePipeline:
                 ids = ids.index_select(0, rows)
             else:
                 ids = ids[: len(alive)]
-            logits, _ = e.runner.execute([ScheduledSeq(s, 1, True) for s in alive], ids)
+            logits, _ = self.runner.execute([ScheduledSeq(s, 1, True) for s in alive], ids)
             for s in alive:
                 s.num_computed_tokens += 1
-            self.in_flight = InFlightStep(alive, e.sampler.launch(logits, alive))
+            self.in_flight = InFlightStep(alive, self.sampler.launch(logits, alive))
             self.num_overlapped_steps += 1
         else:
             self.num_drains += bool(continuing)
@@ -103,39 +108,38 @@ class DecodePipeline:
     def _next_batch(self, continuing: list[Sequence]) -> list[Sequence]:
         """The sequences of the next overlapped step; [] when it must not overlap (the
         synchronous loop schedules it once the step in flight is read)."""
-        e = self.engine
-        s = e.scheduler
+        s = self.scheduler
         if (not self.enabled or s.waiting or len(s.running) != len(continuing)
                 or any(a is not b for a, b in zip(s.running, continuing, strict=True))
                 or len(continuing) > s.max_num_batched_tokens):
             return []
         alive = [seq for seq in continuing if not self._stops_for_length(seq)]
-        bs = e.block_size
+        bs = self.kv.block_size
         for seq in alive:
             # Its in-flight token is counted in num_computed_tokens already: room for the next,
             # a new block when the next position starts one.
-            if seq.num_computed_tokens >= len(seq.block_table) * bs and not e.kv.allocate(seq, 1):
+            if (seq.num_computed_tokens >= len(seq.block_table) * bs
+                    and not self.kv.allocate(seq, 1)):
                 return []  # short of blocks: the scheduler preempts, synchronously
         return alive
 
     def _read(self, step: InFlightStep, flying: set[int]) -> list[RequestOutput]:
         """Append `step`'s tokens (waiting for its copy alone) and check stops."""
-        e = self.engine
         token_ids, logprobs = step.sampled.resolve()
         outputs: list[RequestOutput] = []
         for seq, token_id, lp in zip(step.seqs, token_ids, logprobs, strict=True):
             if seq.is_finished:
                 continue  # stopped at the step before, or aborted: the extra token is dropped
             # Blocks whose tokens are all computed by now (not by the step still in flight).
-            e.kv.cache_computed_blocks(seq, seq.num_computed_tokens - (id(seq) in flying))
-            outputs.append(e._append_token(seq, token_id, lp))
+            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens - (id(seq) in flying))
+            outputs.append(self.append_token(seq, token_id, lp))
         return outputs
 
     def _stops_for_length(self, seq: Sequence) -> bool:
         """Whether the token in flight certainly ends `seq` by a length limit."""
         p = seq.params
         return (len(seq.output_token_ids) + 1 >= p.max_tokens
-                or seq.num_tokens + 1 >= self.engine.max_model_len)
+                or seq.num_tokens + 1 >= self.max_model_len)
 
     @staticmethod
     def _overlappable(seq: Sequence) -> bool:

@@ -66,6 +66,11 @@ class KVCacheManager:
             self.pool.cache_block(seq.block_table[i], seq.block_hashes[i])
         seq.num_published_blocks = max(seq.num_published_blocks, n)
 
+    def free_after(self, seq: Sequence, num_blocks: int) -> None:
+        """Free `seq`'s blocks past its first `num_blocks`."""
+        self.pool.free(list(reversed(seq.block_table[num_blocks:])))
+        seq.block_table = seq.block_table[:num_blocks]
+
     def free(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.free(list(reversed(seq.block_table)))

@@ -1,5 +1,9 @@
-"""The engine core: requests in, one batched model step's outputs per `step()` (in steady decode
-on CUDA the next step is already queued: engine/decode_pipeline.py). For the P/D workers:
+"""The engine core: requests in, one batched model step's outputs per `step()`. It owns the
+requests and their outputs (tokens appended, stops checked, finishing); its parts do the rest:
+the scheduler over the KV cache manager and block pool, the model runner, the sampler, request
+intake (engine/sequence_builder.py), KV imports (engine/kv_imports.py) and, in steady decode on
+CUDA, the overlapped loop that has the next step queued already (engine/decode_pipeline.py).
+For the P/D workers:
 - `add_request(..., hold_blocks=True)`: prefill to the first token and keep the prompt's blocks
   (for export) until `release(request_id)`;
 - `add_imported_request` / `finish_import`: allocate blocks that a KV transfer fills, then join
@@ -8,7 +12,6 @@ on CUDA the next step is already queued: engine/decode_pipeline.py). For the P/D
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -22,19 +25,19 @@ from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_imports import KVImports
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.output import RequestOutput, output_of
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams, check_request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 from engine.sequence import Logprob, Sequence, SequenceStatus
+from engine.sequence_builder import SequenceBuilder
 from engine.stop import stop_reason
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
-
-log = logging.getLogger(__name__)
 
 _DEFAULT_KV_BYTES = 1 << 30
 
@@ -84,42 +87,28 @@ class LLMEngine:
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler(config.seed, self.device)
-        self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size,
+                                            self.eos_token_ids)
+        self.builder = SequenceBuilder(
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            max_kv_tokens=self.num_blocks * self.block_size, eos_token_ids=self.eos_token_ids,
+            device=self.device, structured=self.structured, tokenizer=self.tokenizer,
+            fair=config.scheduling_policy == "fair")  # fcfs: all as one client's (fair_share.py)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests keeping their blocks
-        self.importing: dict[str, Sequence] = {}
-        self.num_prompt_tokens_computed = 0
-        self.pipeline = DecodePipeline(self) if config.overlaps_steps else None
+        self.pipeline = DecodePipeline(self.scheduler, self.kv, self.runner, self.sampler,
+                                       self.append_token, self.max_model_len
+                                       ) if config.overlaps_steps else None
+        self.imports = KVImports(self.scheduler, self.kv,
+                                 self.pipeline.wait if self.pipeline is not None else lambda: None)
 
     # ---- requests -------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None, tenant: Tenant | None = None) -> Sequence:
-        if request_id in self.requests or request_id in self.held or request_id in self.importing:
+        if request_id in self.requests or request_id in self.held or request_id in self.imports:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        prompt, out = list(prompt_token_ids), list(output_token_ids or [])
-        check_request(prompt, out, params, self.model_config.vocab_size, self.max_model_len)
-        if self.kv.num_blocks_for(len(prompt) + len(out) + 1) > self.num_blocks:
-            raise ValueError(f"prompt of {len(prompt) + len(out)} tokens does not fit in the KV cache")
-        fair = self.config.scheduling_policy == "fair"  # fcfs: all as one client's (fair_share.py)
-        tenant = tenant or Tenant()  # who sent it: fair share, and the chain root of its blocks
-        seq = Sequence(request_id, prompt, params, self.eos_token_ids, tenant.client_tag if fair
-                       else None, tenant.cache_salt)
-        seq.output_token_ids = out
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            if not params.greedy:
-                # Continue the stream of random draws where the tokens given were sampled
-                # (by a prefill worker, or before a failure), so P/D equals one engine.
-                self.sampler.skip(seq.generator, len(out))
-        if params.structured is not None:
-            self.structured.start(seq)  # after the output given, as if sampled here
-        seq.text_stream = self.tokenizer.decode_stream(params.skip_special_tokens)
-        for t in out:
-            seq.text += seq.text_stream.step(t)
-        if params.logprobs is not None:
-            seq.logprobs = []
-        return seq
+        return self.builder.build(request_id, prompt_token_ids, params, output_token_ids, tenant)
 
     def add_request(
         self,
@@ -137,9 +126,10 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_imported_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             output_token_ids: list[int] | None = None, tenant: Tenant | None = None):
-        """Allocate blocks for a prompt whose KV comes from elsewhere.
+    def add_imported_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams, output_token_ids: list[int] | None = None,
+                             tenant: Tenant | None = None) -> tuple[Sequence, int]:
+        """Allocate blocks for a prompt whose KV comes from elsewhere (engine/kv_imports.py).
 
         KV is imported for every token but the last known one (`output_token_ids[-1]`, or the
         last prompt token when no output is given, as vLLM's decode side does), which the next
@@ -148,48 +138,29 @@ class LLMEngine:
         Raises `MemoryError` when blocks are short (the caller retries or refuses).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids, tenant)
-        if self.pipeline is not None:
-            self.pipeline.wait()  # a transfer must not race the step in flight's writes
-        prefix = self.kv.computed_prefix(seq)
-        num_needed = seq.num_tokens - 1 - len(prefix) * self.block_size
-        if not self.scheduler.allocate_fairly(seq, num_needed, prefix):
-            raise MemoryError("not enough free KV blocks to import the request")
-        seq.status = SequenceStatus.WAITING_FOR_KV
+        num_here = self.imports.start(seq)
         self.requests[request_id] = seq
-        self.importing[request_id] = seq
-        return seq, len(prefix)
+        return seq, num_here
 
-    def import_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       output_token_ids: list[int] | None = None, tenant: Tenant | None = None):
+    def import_request(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, output_token_ids: list[int] | None = None,
+                       tenant: Tenant | None = None) -> tuple[list[int], int]:
         """`add_imported_request` across threads: (its block table, number of blocks here)."""
-        seq, num = self.add_imported_request(request_id, prompt_token_ids, params, output_token_ids, tenant)
+        seq, num = self.add_imported_request(request_id, prompt_token_ids, params,
+                                             output_token_ids, tenant)
         return list(seq.block_table), num
 
     def finish_import(self, request_id: str, success: bool) -> bool:
         """The transfer filled the blocks (join the batch) or failed (prefill locally instead).
         Returns False if the request is no longer importing (it was aborted meanwhile)."""
-        seq = self.importing.pop(request_id, None)
-        if seq is None:
-            return False
-        if success:
-            seq.num_computed_tokens = seq.num_tokens - 1
-            self.kv.cache_computed_blocks(seq)
-            self.scheduler.add_computed(seq)
-        else:
-            # Keep the locally cached prefix; recompute everything after it.
-            keep = seq.num_cached_tokens // self.block_size
-            self.pool.free(list(reversed(seq.block_table[keep:])))
-            seq.block_table = seq.block_table[:keep]
-            seq.num_computed_tokens = keep * self.block_size
-            self.scheduler.add(seq)
-        return True
+        return self.imports.finish(request_id, success)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks now; returns its final output (None if unknown)."""
         seq = self.requests.get(request_id) or self.held.get(request_id)
         if seq is None:
             return None
-        self.importing.pop(request_id, None)
+        self.imports.drop(request_id)
         self.scheduler.remove(seq)
         return self._finish(seq, "abort", keep_blocks=False)
 
@@ -197,7 +168,9 @@ class LLMEngine:
         """Out of the batch while its reader is behind (`parked=False`: back in the queue);
         False if it was in no state to be (engine/scheduler.py `park`)."""
         seq = self.requests.get(request_id)
-        return seq is not None and (self.scheduler.park(seq) if parked else self.scheduler.unpark(seq))
+        if seq is None:
+            return False
+        return self.scheduler.park(seq) if parked else self.scheduler.unpark(seq)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request was holding."""
@@ -212,7 +185,7 @@ class LLMEngine:
         return list(seq.block_table)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_work() or self.importing)
+        return bool(self.scheduler.has_work() or self.imports)
 
     def drain_events(self) -> list[BlockEvent]:
         return self.pool.drain_events()
@@ -226,7 +199,8 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """The load figures the worker publishes and exports as metrics."""
         return {**self.scheduler.stats(), "free_blocks": self.pool.num_free_blocks,
-                "num_blocks": self.num_blocks, "held": len(self.held), "importing": len(self.importing)}
+                "num_blocks": self.num_blocks, "held": len(self.held),
+                "importing": len(self.imports)}
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -243,25 +217,15 @@ class LLMEngine:
         if self.pipeline is not None and self.pipeline.qualifies(out):
             return self.pipeline.start(out)
         logits, rows = self.runner.execute(out.scheduled)
-        self._advance(out)
+        self.scheduler.advance(out)
         outputs: list[RequestOutput] = []
         if rows:
             seqs = [r.seq for r in rows]
             self.structured.mask(logits, seqs)
             token_ids, logprobs = self.sampler(logits, seqs)
             for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
-                outputs.append(self._append_token(seq, token_id, lp))
+                outputs.append(self.append_token(seq, token_id, lp))
         return outputs
-
-    def _advance(self, out: SchedulerOutput) -> None:
-        for item in out.scheduled:
-            seq = item.seq
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
-                )
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_computed_blocks(seq)
 
     def _unschedulable(self) -> list[RequestOutput]:
         # A lone request that cannot get blocks even from an empty pool will never run.
@@ -271,7 +235,9 @@ class LLMEngine:
             return [self._finish(seq, "length", keep_blocks=False)]
         return []
 
-    def _append_token(self, seq: Sequence, token_id: int, lp: Logprob | None) -> RequestOutput:
+    def append_token(self, seq: Sequence, token_id: int, lp: Logprob | None) -> RequestOutput:
+        """`token_id` sampled for `seq`: appended (text, logprobs, grammar), stops checked, and
+        `seq` finished if one hit; the output to stream."""
         seq.output_token_ids.append(token_id)
         self.structured.accept(seq, token_id)
         if seq.first_token_time is None:

@@ -201,6 +201,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return out
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """`out` ran on the model: each sequence's computed tokens move on, and the blocks it
+        filled are offered to the prefix cache."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(item.seq)
+
     def _give_way(self, seq: Sequence, fair: FairShare, out: SchedulerOutput) -> int | None:
         """Preempt the running sequence that gives its place and blocks to `seq`
         (engine/fair_share.py), taking it out of this step's plan; returns the tokens that

@@ -14,7 +14,6 @@ the name's live workers, each size with its own seed (`ServedModel.hasher_for`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Iterable
@@ -23,8 +22,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
-from common.bounds import MAX_TOKEN_ID
 from common.hashing import BlockHasher
+from common.model_identity import config_vocab_size
 from common.tokenizer import Tokenizer
 from router.index import MemoryPrefixIndex
 from router.worker_info import Identity, WorkerInfo
@@ -194,13 +193,3 @@ class ModelCatalog:
         self.refused.labels(reason).inc()
         log.warning("worker %s refused for model %r: %s", w.worker_id, name, why)
 
-
-def config_vocab_size(folder: Path) -> int | None:
-    """The vocabulary size in a model folder's config.json (a multimodal config's text part
-    too), or None where there is none."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text()[:1 << 20])
-        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return size if isinstance(size, int) and 0 < size <= MAX_TOKEN_ID + 1 else None

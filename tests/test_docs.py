@@ -349,7 +349,7 @@ def test_openai_page_is_right_about_what_is_supported_and_what_is_refused():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_folder, tmp_path_factory):
-    from tandem.cluster import Router, Worker
+    from testing.cluster import Router, Worker
 
     work = tmp_path_factory.mktemp("docs")
     ns = f"docs-{uuid.uuid4().hex[:6]}"

@@ -4,13 +4,20 @@ which, no import cycle between any two modules, and the size limits."""
 from __future__ import annotations
 
 import ast
+import fnmatch
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "engine", "kv_transfer", "worker", "prefill_worker", "decode_worker",
-            "router", "sim", "loadgen", "tandem", "vllm_bridge")
+            "router", "sim", "loadgen", "tandem", "vllm_bridge", "testing")
+# What `pip install` installs: pyproject's package patterns. testing/ (the test harness) is ours
+# but not installed: only tests and bench/ may import it.
+INSTALL_PATTERNS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "packages"]["find"]["include"]
+HARNESS = "testing"
 # Folders of scripts run as `python bench/x.py`: their folder is on sys.path, so a sibling is
 # imported by its bare name (`from clusters import ...` means bench/clusters.py). They put the
 # repository first on sys.path, so a bare name that is one of our packages means the package
@@ -34,26 +41,15 @@ def _sources(root: Path, tops: tuple[str, ...]) -> dict[str, Path]:
 SOURCES = _sources(ROOT, (*PACKAGES, *SCRIPT_DIRS))
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:` (never true at run time)."""
-    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
-def _imports(path: Path, module: str, runtime_only: bool) -> set[str]:
-    """Modules `path` (the module `module`) imports, as absolute names, lazy imports inside
-    functions included. `runtime_only` leaves out the body of `if TYPE_CHECKING:` (never
-    executed); its `else:` runs and counts."""
+def _imports(path: Path, module: str) -> set[str]:
+    """Modules `path` (the module `module`) imports, as absolute names: lazy imports inside
+    functions and type-only ones (`if TYPE_CHECKING:`) included."""
     tree = ast.parse(path.read_text())
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if runtime_only and isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.orelse:
-                    visit(ast.Module(body=[stmt], type_ignores=[]))
-                continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -92,7 +88,7 @@ def _package(module: str) -> str:
 def _violations(rule) -> list[str]:
     bad = []
     for module, path in SOURCES.items():
-        for imported in sorted(_imports(path, module, runtime_only=False)):
+        for imported in sorted(_imports(path, module)):
             problem = rule(module, imported)
             if problem:
                 bad.append(f"{module} imports {imported}: {problem}")
@@ -100,8 +96,10 @@ def _violations(rule) -> list[str]:
 
 
 def _import_graph(sources: dict[str, Path]) -> dict[str, list[str]]:
-    """module -> the modules of ours it imports at run time (lazily or not)."""
-    return {m: sorted({o for i in _imports(p, m, runtime_only=True)
+    """module -> the modules of ours it imports (lazily, for types only, or at import time): a
+    circle is one even where part of it runs only under a type checker, since the two modules
+    still depend on each other's insides."""
+    return {m: sorted({o for i in _imports(p, m)
                        if (o := _ours(i, m, sources)) and o != m})
             for m, p in sources.items()}
 
@@ -133,7 +131,24 @@ def _cycles(graph: dict[str, list[str]]) -> list[str]:
 
 def test_only_entry_points_tests_and_bench_import_tandem():
     assert _violations(lambda m, i: "tandem/ stands above every package"
-                       if _package(i) == "tandem" and _package(m) not in ("tandem", "bench") else None) == []
+                       if _package(i) == "tandem"
+                       and _package(m) not in ("tandem", "bench", HARNESS) else None) == []
+
+
+def _installed(package: str) -> bool:
+    return any(fnmatch.fnmatchcase(package, p) for p in INSTALL_PATTERNS)
+
+
+def test_the_test_harness_is_ours_but_not_installed():
+    """Every package of ours but testing/ is installed; testing/ (its fixed ports, tokens and
+    throwaway servers) never reaches a wheel or an image."""
+    assert [p for p in PACKAGES if p != HARNESS and not _installed(p)] == []
+    assert not _installed(HARNESS)
+
+
+def test_no_installed_package_imports_the_test_harness():
+    assert _violations(lambda m, i: "testing/ is not installed: only tests and bench/ import it"
+                       if _package(i) == HARNESS and _installed(_package(m)) else None) == []
 
 
 def test_common_imports_no_other_package_of_ours():
@@ -159,7 +174,7 @@ def test_the_vllm_bridge_imports_only_common():
 
 
 def test_bench_never_imports_tests():
-    assert _violations(lambda m, i: "shared helpers live in tandem/"
+    assert _violations(lambda m, i: "shared helpers live in testing/"
                        if _package(m) == "bench" and _package(i) == "tests" else None) == []
 
 
@@ -168,9 +183,9 @@ def test_no_import_cycle_between_any_two_modules():
     assert cycles == [], "\n".join(cycles)
 
 
-def test_the_cycle_check_sees_lazy_relative_and_script_imports_but_not_type_checking(tmp_path):
-    """The checker itself, on a made-up tree: each kind of import that runs closes a cycle;
-    an import under `if TYPE_CHECKING:` does not."""
+def test_the_cycle_check_sees_lazy_relative_script_and_type_only_imports(tmp_path):
+    """The checker itself, on a made-up tree: each kind of import closes a cycle, one under
+    `if TYPE_CHECKING:` (never run) too."""
     files = {
         "pkg/__init__.py": "",
         "pkg/lazy_a.py": "def f():\n    from pkg.lazy_b import g\n",  # inside a function
@@ -203,12 +218,47 @@ def test_the_cycle_check_sees_lazy_relative_and_script_imports_but_not_type_chec
     found = {frozenset(c.split(" -> ")) for c in _cycles(_import_graph(sources))}
     assert found == {
         frozenset({"pkg.lazy_a", "pkg.lazy_b"}),
+        frozenset({"pkg.typed_c", "pkg.typed_d"}),
         frozenset({"pkg.not_typed_e", "pkg.not_typed_f"}),
         frozenset({"pkg.else_g", "pkg.else_h"}),
         frozenset({"pkg.sub.rel_m", "pkg.sub.rel_n"}),
         frozenset({"pkg.init_p", "pkg.init_p.child"}),
         frozenset({"bench.script_x", "bench.script_y"}),
     }
+
+
+def _private_reaches(path: Path, module: str) -> list[str]:
+    """`x._name` in `path` where `x` is neither `self` nor `cls` (`self.engine._name` counts)
+    nor rooted in a module of another distribution (torch's and triton's private parts are
+    theirs to keep)."""
+    tree = ast.parse(path.read_text())
+    foreign = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            foreign |= {a.asname or a.name.split(".")[0] for a in node.names
+                        if not _ours(a.name, module, SOURCES)}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if not _ours(node.module, module, SOURCES):
+                foreign |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # its own (`self.engine._x` is not)
+            root = node.value
+            while isinstance(root, ast.Attribute | ast.Call | ast.Subscript):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if not (isinstance(root, ast.Name) and root.id in foreign):
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_engine_parts_use_each_other_through_public_members():
+    """A part of the engine (the overlapped decode loop, request intake, KV imports, ...) is
+    given what it needs and calls it through its interface, never another object's `_x`."""
+    assert [r for m, p in SOURCES.items() if _package(m) == "engine"
+            for r in _private_reaches(p, m)] == []
 
 
 @pytest.mark.parametrize("module", sorted(SOURCES))

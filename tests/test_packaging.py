@@ -144,3 +144,88 @@ def test_help_shows_each_settings_description_and_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--prefill-timeout-s" in text and "longest prefill leg" in text
     assert "(default: 60.0; env TANDEM_ROUTER_PREFILL_TIMEOUT_S)" in text
+
+
+def _string_bound_to_a_token(tree) -> list[str]:
+    """Non-empty string literals given to a name, attribute, keyword or parameter called
+    `token`, `*_token` or `token_*` (any case): a credential written in code."""
+    import ast
+    import re
+
+    is_token = re.compile(r"(^|_)token($|_)", re.IGNORECASE).search
+
+    def name_of(target) -> str | None:
+        return target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+
+    found = []
+    for node in ast.walk(tree):
+        pairs = []
+        if isinstance(node, ast.Assign):
+            pairs = [(name_of(t), node.value) for t in node.targets]
+        elif isinstance(node, ast.AnnAssign):
+            pairs = [(name_of(node.target), node.value)]
+        elif isinstance(node, ast.keyword):
+            pairs = [(node.arg, node.value)]
+        elif isinstance(node, ast.arguments):
+            positional = node.posonlyargs + node.args
+            pairs = list(zip([a.arg for a in positional[len(positional) - len(node.defaults):]],
+                             node.defaults, strict=True))
+            pairs += [(a.arg, d) for a, d in zip(node.kwonlyargs, node.kw_defaults, strict=True)]
+        found += [f"{name} = {value.value!r}" for name, value in pairs
+                  if name and is_token(name) and isinstance(value, ast.Constant)
+                  and isinstance(value.value, str) and value.value]
+    return found
+
+
+def test_the_wheel_carries_no_test_harness_and_no_fixed_token(tmp_path):
+    """The wheel built from this checkout (every package of ours copied, testing/ included):
+    the installed packages and nothing else, no module of testing/, and no string given to a
+    token anywhere in its code (the harness's token was once the constant
+    "internal-test-token" inside the installed `tandem` package)."""
+    import ast
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ours = sorted(p.name for p in ROOT.iterdir()
+                  if (p / "__init__.py").is_file() and p.name != "tests")
+    for name in ours:
+        shutil.copytree(ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "_lib"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-q", "-w", str(tmp_path / "out"), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "out").glob("tandem-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        fixed = {n: bad for n in names if n.endswith(".py")
+                 if (bad := _string_bound_to_a_token(ast.parse(z.read(n))))}
+    assert fixed == {}
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert "testing" in ours and "tandem" in tops
+    assert tops == set(ours) - {"testing"}
+
+
+def test_the_token_check_sees_each_way_of_writing_one():
+    """The checker above, on made-up code: each binding of a literal to a token is found; an
+    empty default, a generated token and other names are not."""
+    import ast
+
+    code = '''
+TOKEN = "t1"
+internal_token: str = "t2"
+class A:
+    def __init__(self, token="t3", *, api_token="t4"):
+        self.token = "t5"
+connect(internal_token="t6")
+none = ""
+tokenizer_source = "x"
+max_tokens = "8"
+TOKEN_OK = secrets.token_urlsafe(24)
+def f(token=None, other_token=""): pass
+'''
+    found = _string_bound_to_a_token(ast.parse(code))
+    assert sorted(v.split("'")[1] for v in found) == ["t1", "t2", "t3", "t4", "t5", "t6"]

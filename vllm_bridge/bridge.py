@@ -21,18 +21,15 @@ skipped, never fatal.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from common.background import BackgroundErrors, cancelling
-from common.bounds import MAX_TOKEN_ID
 from common.hashing import BlockHasher
-from common.model_identity import model_digest
+from common.model_identity import config_vocab_size, model_digest
 from common.publisher import WorkerPublisher
 from common.registry import RedisKeys
 from vllm_bridge.chain import BlockChain
@@ -176,7 +173,7 @@ class Bridge:
         if folder is not None:
             try:
                 return {"model_digest": model_digest(folder), "tokenizer_path": str(folder),
-                        "vocab_size": _vocab_size(folder)}
+                        "vocab_size": config_vocab_size(folder)}
             except OSError as e:
                 self.errors.record("vllm_bridge_register", f"model folder unreadable ({e}); the "
                                    "model is named by its path", key="model_folder")
@@ -216,10 +213,3 @@ class Bridge:
                 live["events"] = session.mirror.subscriber.counts
         return self.tally.read(live)
 
-
-def _vocab_size(folder: Path) -> int | None:
-    try:
-        value = json.loads((folder / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and 0 < value <= MAX_TOKEN_ID + 1 else None

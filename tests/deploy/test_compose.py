@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from common.registry import RedisKeys
-from tandem.cluster import free_port
+from testing.processes import free_port
 from tests.deploy.compose_project import ComposeProject, compose_command, docker, engine_problem
 from tests.deploy.tools import ROOT
 

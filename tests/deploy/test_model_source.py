@@ -14,7 +14,7 @@ import time
 import pytest
 import uvicorn
 
-from tandem.cluster import ROOT, free_port
+from testing.processes import ROOT, free_port
 from tests.deploy.hub_mirror import make_app
 
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from tandem.cluster import Router, Worker, free_port
+from testing.cluster import Router, Worker
+from testing.processes import free_port
 from tests.deploy.tools import ROOT, find
 
 DOCKER = ROOT / "docker"

@@ -15,7 +15,8 @@ from loadgen import workload
 from loadgen.bench import run
 from loadgen.report import SLO, percentiles, summarize
 from loadgen.runner import RequestRecord, RunConfig, Runner
-from tandem.cluster import ROOT, Router, Worker
+from testing.cluster import Router, Worker
+from testing.processes import ROOT
 
 
 def test_workloads_are_seeded_and_shaped():

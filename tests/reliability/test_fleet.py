@@ -1,5 +1,5 @@
 """A 64-worker fleet on this machine: 16 prefill and 48 decode tiny-random workers (small KV, one
-torch thread each, eight per process: tandem/worker_pack.py) behind two router replicas sharing
+torch thread each, eight per process: testing/worker_pack.py) behind two router replicas sharing
 one local Redis Cluster. Both routers see the whole fleet, route each repeated prompt to the
 worker that holds its prefix whichever router served it first, answer exactly as the reference
 engine does, and when a process with eight workers is killed, requests keep succeeding and both
@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import ROOT, TOKEN, Router
-from tandem.redis_cluster import LocalRedisCluster
+from testing.cluster import TOKEN, Router
+from testing.processes import ROOT
+from testing.redis_cluster import LocalRedisCluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -30,7 +31,7 @@ PACKS = [("prefill", 8)] * 2 + [("decode", 8)] * 6
 
 
 def _pack(role: str, count: int, folder: Path, url: str, ns: str, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem.worker_pack", "--count", str(count), role,
+    cmd = [sys.executable, "-m", "testing.worker_pack", "--count", str(count), role,
            "--model", str(folder), "--port", "0", "--num-blocks", "512", "--block-size", "4",
            "--threads", "1", "--redis-url", url, "--redis-cluster", "--namespace", ns,
            "--internal-token", TOKEN, "--heartbeat-ttl", "3", "--cache-dir", str(log.parent)]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.cluster import TOKEN, Router, Worker
+from testing.cluster import TOKEN, Router, Worker
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

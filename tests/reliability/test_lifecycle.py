@@ -20,8 +20,10 @@ import pytest
 import redis
 
 from common.registry import RedisKeys
-from tandem.cluster import REDIS_URL, ROOT, TOKEN, free_port, two_by_two
-from tandem.streaming_load import StreamingLoad
+from testing.cluster import TOKEN, two_by_two
+from testing.processes import ROOT, free_port
+from testing.redis_server import REDIS_URL
+from testing.streaming_load import StreamingLoad
 
 TINY = "tiny-random"
 

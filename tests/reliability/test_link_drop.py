@@ -16,8 +16,9 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import Router, Worker, free_port
-from tandem.netns import Link
+from testing.cluster import Router, Worker
+from testing.netns import Link
+from testing.processes import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("redis-server") is None,

@@ -18,9 +18,9 @@ from common.hashing import hash_member
 from common.redis_client import connect
 from common.registry import RedisKeys
 from router.index import RedisPrefixIndex, ReplicaPrefixIndex
-from tandem.cluster import Router, Worker
-from tandem.redis_cluster import LocalRedisCluster
-from tandem.streaming_load import StreamingLoad
+from testing.cluster import Router, Worker
+from testing.redis_cluster import LocalRedisCluster
+from testing.streaming_load import StreamingLoad
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-from tandem.cluster import TOKEN, Router, Worker
+from testing.cluster import TOKEN, Router, Worker
 
 pytestmark = pytest.mark.redis
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tandem.cluster import Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.cluster import REDIS_URL, ROOT, TOKEN, RedisServer, Router, Worker, free_port
+from testing.cluster import TOKEN, Router, Worker
+from testing.processes import ROOT, free_port
+from testing.redis_server import REDIS_URL, RedisServer
 
 pytestmark = pytest.mark.redis
 

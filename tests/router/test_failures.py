@@ -10,7 +10,9 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import RedisServer, Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
+from testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

@@ -13,7 +13,9 @@ from common.block_events import StreamEntry
 from common.hashing import hash_blocks, hash_member
 from common.registry import RedisKeys
 from engine import SamplingParams
-from tandem.cluster import REDIS_URL, Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
+from testing.redis_server import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from common.hashing import BlockHasher, hash_member
 from common.registry import RedisKeys
 from router.index import MemoryPrefixIndex, RedisPrefixIndex
-from tandem.cluster import REDIS_URL
+from testing.redis_server import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

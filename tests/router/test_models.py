@@ -12,7 +12,8 @@ import uuid
 import httpx
 import pytest
 
-from tandem.cluster import Router, Worker, scrape, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import scrape, series_sum
 
 SMOL = "smollm2-135m-instruct"
 TINY = "tiny-random"

@@ -10,7 +10,7 @@ import uuid
 import openai
 import pytest
 
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 
 MODEL = "tiny-random"
 TOOLS = [{"type": "function", "function": {

@@ -17,7 +17,7 @@ from common.publisher import WorkerPublisher
 from common.registry import EVENT_SHARDS, RedisKeys
 from router.replica import BlockReplica
 from router.replica_feed import ReplicaFeed
-from tandem.cluster import REDIS_URL
+from testing.redis_server import REDIS_URL
 
 # ---- golden: what workers and routers of different versions must agree on ----------------------
 

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 
 pytestmark = pytest.mark.slow
 

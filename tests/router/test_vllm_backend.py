@@ -16,8 +16,9 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import Router, series_sum
-from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer, vllm_python
+from testing.cluster import Router
+from testing.metrics import series_sum
+from testing.vllm_server import MODEL, VLLMOptions, VLLMServer, vllm_python
 
 pytestmark = pytest.mark.vllm
 

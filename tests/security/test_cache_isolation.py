@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 
 pytestmark = pytest.mark.redis
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tandem.cluster import Router
+from testing.cluster import Router
 from tests.polling import wait_for
 
 MODEL = "tiny-random"

@@ -17,7 +17,7 @@ import uuid
 import httpx
 import pytest
 
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.redis

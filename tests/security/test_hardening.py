@@ -19,7 +19,9 @@ import redis
 import yaml
 
 from common.registry import RedisKeys, registration_signature
-from tandem.cluster import REDIS_URL, ROOT, TOKEN, Router, Worker, free_port
+from testing.cluster import TOKEN, Router, Worker
+from testing.processes import ROOT, free_port
+from testing.redis_server import REDIS_URL
 from tests.polling import wait_for
 from tests.security.fakes import FakePeer
 

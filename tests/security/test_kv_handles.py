@@ -19,7 +19,8 @@ import xxhash
 from common.hashing import hash_tokens
 from engine import SamplingParams
 from kv_transfer import handle, tcp_wire
-from tandem.cluster import TOKEN, Worker, series_sum
+from testing.cluster import TOKEN, Worker
+from testing.metrics import series_sum
 from tests.security.fakes import FakePeer
 
 pytestmark = pytest.mark.redis

@@ -22,7 +22,8 @@ import uuid
 import pytest
 
 from engine import SamplingParams
-from tandem.cluster import Worker, series_sum
+from testing.cluster import Worker
+from testing.metrics import series_sum
 
 pytestmark = pytest.mark.redis
 

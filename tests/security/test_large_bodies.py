@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from tandem.cluster import ROOT, Router
+from testing.cluster import Router
+from testing.processes import ROOT
 from tests.polling import wait_for
 
 MODEL = "smollm2-135m-instruct"

@@ -30,7 +30,8 @@ from common.errors import KV_TRANSFER_FAILED, error_body
 from engine import SamplingParams
 from router.backend import Timeouts, TransferFailed, WorkerFailure, check
 from router.worker_info import WorkerInfo
-from tandem.cluster import Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.redis

@@ -22,7 +22,9 @@ import redis
 
 from common.registry import RedisKeys
 from common.tokenizer import Tokenizer
-from tandem.cluster import REDIS_URL, Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
+from testing.redis_server import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

@@ -20,7 +20,9 @@ import redis
 
 from common.block_events import MAX_HASHES_PER_ENTRY
 from common.registry import EVENT_SHARDS, RedisKeys
-from tandem.cluster import REDIS_URL, Router, Worker, series_sum
+from testing.cluster import Router, Worker
+from testing.metrics import series_sum
+from testing.redis_server import REDIS_URL
 from tests.polling import wait_for
 from tests.security.slow_client import UnreadStream
 

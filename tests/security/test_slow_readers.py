@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tandem.cluster import Router, Worker
+from testing.cluster import Router, Worker
 from tests.polling import wait_for
 from tests.security.slow_client import UnreadStream
 

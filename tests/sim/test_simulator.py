@@ -148,7 +148,7 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
     import sys
     from dataclasses import replace
 
-    from tandem.cluster import ROOT
+    from testing.processes import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import fit, simulated_cpu
@@ -236,7 +236,7 @@ def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_
 def test_repeated_measurements_pool_into_one():
     import sys
 
-    from tandem.cluster import ROOT
+    from testing.processes import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import pool
@@ -256,7 +256,7 @@ def test_repeated_measurements_pool_into_one():
 def test_host_capacity_is_at_most_the_core_count():
     import sys
 
-    from tandem.cluster import ROOT
+    from testing.processes import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
     from sim_profile import host_capacity

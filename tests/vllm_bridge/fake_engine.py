@@ -102,7 +102,7 @@ class FakeVLLM:
     `folder` under its folder's name, on a thread of its own. The public methods are called
     from the test's thread; `served` lists every completion answered, in arrival order."""
 
-    # What tandem/vllm_fleet.py's VLLMBridge reads of a server besides its URL and folder: no
+    # What testing/vllm_fleet.py's VLLMBridge reads of a server besides its URL and folder: no
     # endpoints given (the bridge finds them at /kv_event_sources), no block size (/metrics).
     events_endpoint = replay_endpoint = None
     options = SimpleNamespace(block_size=None)

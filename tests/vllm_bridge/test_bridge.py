@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 
 from common.hashing import BlockHasher, hash_member, member_hash
 from common.registry import EVENT_SHARDS, RedisKeys, WorkerRegistration
-from tandem.cluster import REDIS_URL
+from testing.redis_server import REDIS_URL
 from tests.vllm_bridge import captures
 from tests.vllm_bridge.fake_vllm import FakePublisher, FakeServer, removed, stored
 from vllm_bridge.bridge import Bridge
@@ -270,6 +270,46 @@ def test_the_command_registers_and_leaves_on_sigterm():
                     await proc.wait()
                 for shard in range(EVENT_SHARDS):
                     await w.redis.delete(keys.events(shard))
+
+    asyncio.run(go())
+
+
+@pytest.mark.redis
+def test_the_command_registers_a_multimodal_folders_text_vocabulary(tiny_folder, tmp_path):
+    """A folder whose config.json has its vocabulary under `text_config` (Llava, Gemma 3, ...):
+    `tandem vllm-bridge --model-folder` registers that size, as the router reads it (the
+    bridge's own reader once looked at the top level only and registered none)."""
+    import shutil
+
+    folder = tmp_path / "multimodal"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"] = {"vocab_size": config.pop("vocab_size")}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    async def go():
+        async with world(start=False) as w:
+            keys = RedisKeys(f"bridge-mm-{uuid.uuid4().hex[:8]}")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tandem.cli", "vllm-bridge", "--vllm-url", w.server.url,
+                "--redis-url", REDIS_URL, "--namespace", keys.namespace, "--health-interval-s",
+                "0.1", "--worker-id", "vllm-mm", "--model-folder", str(folder))
+            try:
+                raw = await until(lambda: w.redis.hgetall(keys.worker("vllm-mm")),
+                                  "the command's registration")
+                reg = WorkerRegistration.from_hash(raw, "vllm-mm")
+                assert reg.tokenizer_path == str(folder) and reg.vocab_size == 320
+            finally:
+                if proc.returncode is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        await asyncio.wait_for(proc.wait(), WAIT_S)
+                    except TimeoutError:
+                        proc.kill()
+                        await proc.wait()
+                leftovers = [k async for k in w.redis.scan_iter(f"{keys.prefix}*")]
+                if leftovers:
+                    await w.redis.delete(*leftovers)
 
     asyncio.run(go())
 

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 
 from common.hashing import BlockHasher, hash_member
 from common.registry import EVENT_SHARDS, RedisKeys
-from tandem.cluster import REDIS_URL
+from testing.redis_server import REDIS_URL
 from tests.vllm_bridge.fake_vllm import FakePublisher, FakeServer, stored
 
 REPO = Path(__file__).resolve().parents[2]

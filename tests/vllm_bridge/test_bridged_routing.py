@@ -31,8 +31,8 @@ import pytest
 
 from common.hashing import BlockHasher
 from common.model_identity import model_digest
-from tandem.cluster import TOKEN, Router
-from tandem.vllm_fleet import FleetIndex, VLLMBridge
+from testing.cluster import TOKEN, Router
+from testing.vllm_fleet import FleetIndex, VLLMBridge
 from tests.polling import wait_for
 from tests.vllm_bridge.fake_engine import FakeVLLM
 

@@ -30,9 +30,10 @@ from common.openai_request import prompt_token_ids
 from common.tokenizer import Tokenizer
 from loadgen.workload import multi_turn
 from router.openai_models import ChatCompletionRequest
-from tandem.cluster import TOKEN, Router, series_sum
-from tandem.vllm_fleet import FleetIndex, VLLMBridge
-from tandem.vllm_server import MODEL, VLLMOptions, VLLMServer, vllm_python
+from testing.cluster import TOKEN, Router
+from testing.metrics import series_sum
+from testing.vllm_fleet import FleetIndex, VLLMBridge
+from testing.vllm_server import MODEL, VLLMOptions, VLLMServer, vllm_python
 from tests.polling import wait_for
 from tests.vllm_bridge.vllm_mirror import VLLMEventMirror
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from common.hashing import hash_blocks
-from tandem.vllm_fleet import EventTap
+from testing.vllm_fleet import EventTap
 
 
 class VLLMEventMirror(EventTap):

@@ -9,7 +9,8 @@ import redis
 
 from common.registry import RedisKeys
 from engine import SamplingParams
-from tandem.cluster import REDIS_URL, Worker, expected_tokens, pd_generate, pd_pair
+from testing.cluster import Worker, expected_tokens, pd_generate, pd_pair
+from testing.redis_server import REDIS_URL
 
 pytestmark = pytest.mark.redis
 

@@ -16,7 +16,9 @@ import redis
 
 from common.registry import RedisKeys
 from engine import LLM, SamplingParams
-from tandem.cluster import Worker, free_port, pd_generate, series_sum
+from testing.cluster import Worker, pd_generate
+from testing.metrics import series_sum
+from testing.processes import free_port
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 # Installed with the dev extra into the same environment as the test runner.

@@ -30,8 +30,8 @@ class Link:
     def shape(self, rate: str, burst: str) -> None:
         """Token-bucket rate limit on both ends (this kernel has tbf, not netem)."""
         for prefix, dev in ((["ip", "netns", "exec", self.ns], self.dev_ns), ([], self.dev_root)):
-            sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-               "latency", "50ms")
+            sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+               "burst", burst, "latency", "50ms")
 
     def blackhole(self, ip: str, on: bool = True) -> None:
         """Inside the namespace, traffic to `ip` is dropped (or flows again)."""

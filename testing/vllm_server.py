@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from tandem.cluster import ROOT, free_port, scrape, wait_http_ok
+from testing.metrics import scrape
+from testing.processes import ROOT, free_port, wait_http_ok
 
 MODEL = "smollm2-135m-instruct"
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -160,15 +160,6 @@ class VLLMServer:
             return sum(v for k, v in m.items() if k.partition("{")[0] == name)
 
         return total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
-
-    def cache_config(self) -> dict[str, str]:
-        """The labels of `vllm:cache_config_info` (block_size, num_gpu_blocks, ...)."""
-        with httpx.Client(base_url=self.url, timeout=10) as c:
-            text = c.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith("vllm:cache_config_info{"):
-                return dict(re.findall(r'([a-zA-Z_]+)="([^"]*)"', line))
-        return {}
 
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache (needs `dev_mode`)."""

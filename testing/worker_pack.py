@@ -1,6 +1,6 @@
 """Several workers in one process, for fleet tests on a small machine:
 
-    python -m tandem.worker_pack --count 8 decode --model tiny-random --redis-url ... [worker flags]
+    python -m testing.worker_pack --count 8 decode --model tiny-random --redis-url ... [flags]
 
 Each is a whole worker (its own engine and KV cache, HTTP server and port, registration, block
 events and KV transfer endpoint); they share only the process, so torch and the libraries are
@@ -77,7 +77,8 @@ async def _serve(servers: list[uvicorn.Server], sockets: list[socket.socket]) ->
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    await asyncio.gather(*(s.serve(sockets=[sock]) for s, sock in zip(servers, sockets, strict=True)))
+    await asyncio.gather(*(s.serve(sockets=[sock])
+                           for s, sock in zip(servers, sockets, strict=True)))
 
 
 if __name__ == "__main__":

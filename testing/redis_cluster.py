@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-from tandem.cluster import wait_redis
+from testing.redis_server import wait_redis
 
 
 def _free_port_pair() -> int:
@@ -65,13 +65,15 @@ class LocalRedisCluster:
         node_dir.mkdir(parents=True, exist_ok=True)
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+             "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--dir", str(node_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_redis(port)
 
     def client(self) -> RedisCluster:
-        return RedisCluster(host="127.0.0.1", port=self.live_ports()[0], require_full_coverage=False)
+        return RedisCluster(host="127.0.0.1", port=self.live_ports()[0],
+                            require_full_coverage=False)
 
     def live_ports(self) -> list[int]:
         return [p for p, proc in self.procs.items() if proc.poll() is None]

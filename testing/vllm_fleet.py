@@ -17,8 +17,9 @@ import zmq
 
 from common.hashing import member_hash
 from common.registry import RedisKeys
-from tandem.cluster import REDIS_URL, ROOT, stop_process
-from tandem.vllm_server import VLLMServer
+from testing.processes import ROOT, stop_process
+from testing.redis_server import REDIS_URL
+from testing.vllm_server import VLLMServer
 
 
 class VLLMBridge:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,72 +15,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "internal-test-token"
-REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from testing.metrics import scrape
+from testing.processes import ROOT, start_on_free_port, stop_process, wait_http_ok
+from testing.redis_server import REDIS_URL
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(client: httpx.Client) -> dict[str, float]:
-    """A service's /metrics as {series: value}."""
-    out: dict[str, float] = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def series_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of `name`'s series whose labels include `labels` (others, like `model`, free)."""
-    total = 0.0
-    for key, value in metrics.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(re.findall(r'([a-zA-Z_]+)="([^"]*)"', rest))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
-
-
-def wait_http_ok(proc: subprocess.Popen, log_path: Path, get, what: str, timeout: float,
-                 interval: float) -> None:
-    """Polls `get()` until it answers 200; the process exiting first, or the timeout, raises
-    with the tail of its log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {log_path.read_text()[-3000:]}")
-        try:
-            if get().status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not ready in {timeout} s: {log_path.read_text()[-2000:]}")
+# The internal token of the clusters this process starts: a new one per process, so no
+# credential is written in code and no worker of one run takes another run's calls.
+TOKEN = secrets.token_urlsafe(24)
 
 
 class Worker:
+    """A real `tandem prefill|decode|colocated` process, ready (its /ready answers 200) once
+    built; started on another port if its first one was taken before it could bind it."""
+
     def __init__(self, role: str, model: str, *, cache_dir: Path, namespace: str | None = None,
                  extra: list[str] | None = None, num_blocks: int = 256, block_size: int = 4,
                  token: str | None = TOKEN, ttl: float = 3.0, host: str = "127.0.0.1",
                  netns: str | None = None, env: dict[str, str] | None = None) -> None:
-        self.role = role
-        self.port = free_port()
-        self.url = f"http://{host}:{self.port}"
-        self.token = token
+        self.role, self.host, self.token, self.cache_dir = role, host, token, cache_dir
         # In a network namespace (another "host"): `ip netns exec`, bound to that host's address.
         prefix = ["ip", "netns", "exec", netns] if netns else []
         cmd = [*prefix, sys.executable, "-m", "tandem.cli", role, "--model", model, "--cache-dir",
-               str(cache_dir), "--port", str(self.port), "--num-blocks", str(num_blocks),
+               str(cache_dir), "--port", "0", "--num-blocks", str(num_blocks),
                "--block-size", str(block_size), "--heartbeat-ttl", str(ttl), "--host", host]
         if namespace:
             cmd += ["--redis-url", REDIS_URL, "--namespace", namespace]
@@ -89,13 +45,26 @@ class Worker:
             cmd += ["--internal-token", token]
         cmd += extra or []
         self.cmd, self.env = cmd, {**os.environ, **(env or {})}
-        self.log = open(cache_dir / f"{role}-{self.port}.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env)
-        self.client = httpx.Client(base_url=self.url, timeout=60,
+        self.client = httpx.Client(timeout=60,
                                    headers={"Authorization": f"Bearer {token}"} if token else {})
-        self.worker_id = f"{role}-{host}-{self.port}"
-        self._wait_ready()
+        self.log = None
+        self.proc = start_on_free_port(self._use_port, self._launch, self._wait_ready,
+                                       lambda: Path(self.log.name))
+
+    def _use_port(self, port: int) -> None:
+        """Point the command, the URL, the id and the client at `port`."""
+        self.port = port
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.url = f"http://{self.host}:{port}"
+        self.worker_id = f"{self.role}-{self.host}-{port}"
+        self.client.base_url = self.url
+        if self.log is None:  # one log for every start, named after the first port
+            self.log = open(self.cache_dir / f"{self.role}-{port}.log", "w")
+
+    def _launch(self) -> subprocess.Popen:
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=self.env)
+        return self.proc
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         """Signal the worker and wait for it to exit; its exit status."""
@@ -107,18 +76,14 @@ class Worker:
         or on a new one (a new id, as a rescheduled pod gets)."""
         assert self.proc.poll() is not None, "stop the worker first"
         if new_port:
-            old = self.port
-            self.port = free_port()
-            self.cmd[self.cmd.index("--port") + 1] = str(self.port)
-            self.url = self.url.replace(f":{old}", f":{self.port}")
-            self.worker_id = self.worker_id.replace(f"-{old}", f"-{self.port}")
-            self.client.base_url = self.url
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env)
-        self._wait_ready()
+            self.proc = start_on_free_port(self._use_port, self._launch, self._wait_ready,
+                                           lambda: Path(self.log.name))
+        else:
+            self._launch()
+            self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120) -> None:
-        wait_http_ok(self.proc, Path(self.log.name), lambda: self.client.get("/ready"),
+        wait_http_ok(self.proc, Path(self.log.name), lambda: self.client.get("/ready", timeout=5),
                      f"{self.role} worker", timeout, interval=0.2)
 
     def metrics(self) -> dict[str, float]:
@@ -150,19 +115,9 @@ class Worker:
         self.log.close()
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGINT (each service drains and exits 0 on it), SIGKILL after `grace_s`."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @contextmanager
-def pd_pair(model: str, workdir: Path, namespace: str, extra: list[str] = ()) -> Iterator[tuple[Worker, Worker]]:
+def pd_pair(model: str, workdir: Path, namespace: str,
+            extra: list[str] = ()) -> Iterator[tuple[Worker, Worker]]:
     """A prefill worker (3 s leases) and a decode worker sharing a namespace; stopped on exit."""
     p = Worker("prefill", model, cache_dir=workdir, namespace=namespace,
                extra=["--lease-seconds", "3", *extra])
@@ -177,7 +132,8 @@ def pd_pair(model: str, workdir: Path, namespace: str, extra: list[str] = ()) ->
 
 
 @contextmanager
-def two_by_two(folder: Path, workdir: Path, namespace: str) -> Iterator[tuple[Router, list[Worker]]]:
+def two_by_two(folder: Path, workdir: Path,
+               namespace: str) -> Iterator[tuple[Router, list[Worker]]]:
     """Two prefill and two decode workers (10 s drain, 5 s leases) and a router in front, all
     stopped on exit: the cluster the lifecycle tests and the rolling-restart soak restart."""
     workers: list[Worker] = []
@@ -202,7 +158,8 @@ def expected_tokens(reference, prompt: list[int], sampling: dict) -> list[int]:
     return reference.generate(prompt, SamplingParams(**sampling))[0].token_ids
 
 
-def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampling: dict) -> tuple[list[int], dict]:
+def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int],
+                sampling: dict) -> tuple[list[int], dict]:
     """Prefill on P, then decode on D with the first token and P's kv_transfer_params."""
     pre = p.prefill(request_id, prompt, sampling)
     first = pre["first_token_id"]
@@ -214,7 +171,9 @@ def pd_generate(p: Worker, d: Worker, request_id: str, prompt: list[int], sampli
 
 
 class Router:
-    """A real `tandem router` process over Redis discovery."""
+    """A real `tandem router` process over Redis discovery, serving HTTP once built (ready or
+    not: `wait_workers`); started on another port if its first one was taken before it could
+    bind it."""
 
     def __init__(self, tokenizer_folder: Path | None, namespace: str | None, *, cache_dir: Path,
                  policy: str = "kv_aware", block_size: int = 4, token: str | None = TOKEN,
@@ -222,10 +181,9 @@ class Router:
                  env: dict[str, str] | None = None) -> None:
         """`tokenizer_folder` pins the router to that one model (`--model`, `--tokenizer`);
         None: it serves every model that registers."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.cache_dir = cache_dir
         cmd = [sys.executable, "-m", "tandem.cli", "router", "--block-size", str(block_size),
-               "--port", str(self.port), "--policy", policy, "--cache-dir", str(cache_dir)]
+               "--port", "0", "--policy", policy, "--cache-dir", str(cache_dir)]
         if tokenizer_folder is not None:
             cmd += ["--model", tokenizer_folder.name, "--tokenizer", str(tokenizer_folder)]
         if redis_url:
@@ -233,10 +191,30 @@ class Router:
         if token:
             cmd += ["--internal-token", token]
         cmd += extra or []
-        self.log = open(cache_dir / f"router-{self.port}.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.cmd, self.env = cmd, {**os.environ, **(env or {})}
+        self.client = httpx.Client(timeout=60)
+        self.log = None
+        self.proc = start_on_free_port(self._use_port, self._launch, self._wait_serving,
+                                       lambda: Path(self.log.name))
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.url = f"http://127.0.0.1:{port}"
+        self.client.base_url = self.url
+        if self.log is None:  # one log for every start, named after the first port
+            self.log = open(self.cache_dir / f"router-{port}.log", "w")
+
+    def _launch(self) -> subprocess.Popen:
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=self.env)
+        return self.proc
+
+    def _wait_serving(self, timeout: float = 60) -> None:
+        """Until it answers HTTP at all (its port is its own); raises if it exits first."""
+        # A short timeout per probe: whoever took the port may accept and never answer.
+        wait_http_ok(self.proc, Path(self.log.name), lambda: self.client.get("/ready", timeout=5),
+                     "router", timeout, interval=0.05, any_status=True)
 
     def wait_workers(self, n: int, timeout: float = 30, models: int = 0) -> None:
         """Until the router routes to `n` workers (and serves `models` models)."""
@@ -263,38 +241,4 @@ class Router:
         self.client.close()
         self.log.close()
 
-
-def wait_redis(port: int, timeout: float = 10.0) -> None:
-    """Until the redis-server on `port` answers PING."""
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise TimeoutError(f"redis-server on {port} did not start")
-
-
-class RedisServer:
-    """A throwaway redis-server on a fixed port, so it can be stopped and started again."""
-
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = tmp_path
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL)
-        wait_redis(self.port)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
