@@ -102,7 +102,8 @@ def run_case(folder: Path, work: Path, name: str | None, clients: int, seconds: 
     env = {"TANDEM_ROUTER_OFFLOAD_CHARS": str(10**12)} if name and name.endswith("-loop") else {}
     size = CASES[name] if name else None
     router = Router(folder, None, cache_dir=work, redis_url=None, block_size=16,
-                    extra=["--worker", "decode=http://127.0.0.1:1", "--chat-template", str(TEMPLATE)],
+                    extra=["--worker", "decode=http://127.0.0.1:1", "--chat-template",
+                           str(TEMPLATE)],
                     env=env)
     try:
         deadline = time.monotonic() + 60

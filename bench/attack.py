@@ -82,7 +82,8 @@ def summary(ms: list[float]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40, help="victim requests per phase (at least)")
-    ap.add_argument("--min-phase-s", type=float, default=10.0, help="victim seconds per phase (at least)")
+    ap.add_argument("--min-phase-s", type=float, default=10.0,
+                    help="victim seconds per phase (at least)")
     ap.add_argument("--attacks", default=DEFAULT_ATTACKS, help="which, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attack.json"))
     ap.add_argument("--client-max-requests", type=int, default=2, help="0: no limit")
@@ -154,7 +155,8 @@ def main() -> None:
             else:
                 seen = [x for x in got if x is not None]
                 row["attacker_streams_ended"] = len(got)  # cut seen, or past the deadline
-                row["attacker_cut_after_s"] = summary([x * 1000 for x in seen]) if len(seen) > 1 else seen
+                row["attacker_cut_after_s"] = (summary([x * 1000 for x in seen])
+                                               if len(seen) > 1 else seen)
             result[name] = row
             print(name, row, flush=True)
             time.sleep(3.0)  # what the attack left running drains before the next phase

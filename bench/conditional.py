@@ -23,7 +23,8 @@ from loadgen import workload
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
@@ -36,12 +37,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arm, enabled in (("on", "true"), ("off", "false")):
             results[arm] = run_on_cluster(
-                f"conditional-{arm}", ["prefill", "decode"], args.model, "multi-turn", sessions, Path(tmp),
-                worker_args=worker_args, concurrency=args.concurrency,
+                f"conditional-{arm}", ["prefill", "decode"], args.model, "multi-turn",
+                sessions, Path(tmp), worker_args=worker_args, concurrency=args.concurrency,
                 router_env={"TANDEM_ROUTER_CONDITIONAL_DISAGG": enabled})
             s = results[arm]
             print(json.dumps({"arm": arm, "ok": s["ok"], "plans": s["route_plans"],
-                              "ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"]}), file=sys.stderr)
+                              "ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"]}),
+                  file=sys.stderr)
     on, off = results["on"], results["off"]
     ratios = {f"{metric}_{q}_on_over_off": on[metric][q] / off[metric][q]
               for metric in ("ttft_s", "e2e_s") for q in ("p50", "p90", "p99") if off[metric][q]}

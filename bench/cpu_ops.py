@@ -47,15 +47,16 @@ def timed(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def bench_linear(rows_list: list[int]) -> list[dict]:
-    weights = [torch.randn(*s) for _ in range(NUM_LAYERS) for s in SHAPES] + [torch.randn(VOCAB, HIDDEN)]
+    weights = ([torch.randn(*s) for _ in range(NUM_LAYERS) for s in SHAPES]
+               + [torch.randn(VOCAB, HIDDEN)])
     packed = [PackedLinear(w, None) for w in weights]
     out = []
     for rows in rows_list:
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
         t_mkl = timed(lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights], 5)
         t_packed = timed(lambda x=x: [p(x[p.in_features]) for p in packed], 5)
-        out.append({"rows": rows, "f_linear_ms": round(t_mkl, 2), "onednn_packed_ms": round(t_packed, 2),
-                    "speedup": round(t_mkl / t_packed, 2)})
+        out.append({"rows": rows, "f_linear_ms": round(t_mkl, 2),
+                    "onednn_packed_ms": round(t_packed, 2), "speedup": round(t_mkl / t_packed, 2)})
         print(out[-1], file=sys.stderr, flush=True)
     return out
 
@@ -73,20 +74,22 @@ def bench_gather(cases: list[tuple[int, int]]) -> list[dict]:
         lens = torch.full((num_seqs,), context)
         mask = (torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
         q = torch.randn(num_seqs, NUM_HEADS, 1, HEAD_DIM)
-        k = torch.index_select(layer_k, 0, flat).view(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        k = torch.index_select(layer_k, 0, flat).view(num_seqs, -1, NUM_KV_HEADS,
+                                                      HEAD_DIM).transpose(1, 2)
         t_index = timed(lambda tables=tables: layer_k[tables], 20)
         t_select = timed(lambda flat=flat: torch.index_select(layer_k, 0, flat), 20)
         t_sdpa = timed(lambda q=q, k=k, mask=mask: F.scaled_dot_product_attention(
             q, k, k, attn_mask=mask, enable_gqa=True), 20)
-        out.append({"num_seqs": num_seqs, "context": context, "advanced_index_ms": round(t_index, 3),
-                    "index_select_ms": round(t_select, 3), "speedup": round(t_index / t_select, 2),
-                    "sdpa_ms": round(t_sdpa, 3)})
+        out.append({"num_seqs": num_seqs, "context": context,
+                    "advanced_index_ms": round(t_index, 3), "index_select_ms": round(t_select, 3),
+                    "speedup": round(t_index / t_select, 2), "sdpa_ms": round(t_sdpa, 3)})
         print(out[-1], file=sys.stderr, flush=True)
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,64,256")
     args = ap.parse_args()

@@ -23,7 +23,8 @@ from loadgen import workload
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
@@ -31,16 +32,19 @@ def main() -> int:
     sessions = workload.mixed(args.requests, seed=0, long_prompt_words=250, long_answer_tokens=48)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, roles in (("disaggregated", ["prefill", "decode"]), ("colocated", ["colocated", "colocated"])):
-            runs[name] = s = run_on_cluster(f"disagg-{name}", roles, args.model, "mixed", sessions, Path(tmp),
+        for name, roles in (("disaggregated", ["prefill", "decode"]),
+                            ("colocated", ["colocated", "colocated"])):
+            runs[name] = s = run_on_cluster(f"disagg-{name}", roles, args.model, "mixed",
+                                            sessions, Path(tmp),
                                             worker_args=["--threads", str(args.threads)])
-            print(json.dumps({name: {"ok": s["ok"], "ttft_p99": s["ttft_s"]["p99"], "itl_p99": s["itl_s"]["p99"],
-                                     "plans": s["route_plans"]}}), file=sys.stderr)
+            print(json.dumps({name: {"ok": s["ok"], "ttft_p99": s["ttft_s"]["p99"],
+                                     "itl_p99": s["itl_s"]["p99"], "plans": s["route_plans"]}}),
+                  file=sys.stderr)
     d, c = runs["disaggregated"], runs["colocated"]
     ratios = {k: d[k]["p99"] / c[k]["p99"] for k in ("ttft_s", "itl_s", "e2e_s")}
     ratios |= {f"{k}_p50": d[k]["p50"] / c[k]["p50"] for k in ("ttft_s", "itl_s")}
-    out = {"model": args.model, "requests": args.requests, "threads_per_worker": args.threads, "runs": runs,
-           "disaggregated_over_colocated": ratios}
+    out = {"model": args.model, "requests": args.requests, "threads_per_worker": args.threads,
+           "runs": runs, "disaggregated_over_colocated": ratios}
     (ROOT / "bench" / "results" / "disagg.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     return 0

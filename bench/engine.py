@@ -168,10 +168,12 @@ def bench_vllm(python: str, folder: Path, prompts: Prompts, batches, n1, n2, thr
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2_ID)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", help="Tandem's and vLLM's (transformers runs float32)")
+    ap.add_argument("--dtype", default="float32",
+                    help="Tandem's and vLLM's (transformers runs float32)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--short", type=int, default=32, help="max_tokens of the shorter run")
     ap.add_argument("--long", type=int, default=96, help="max_tokens of the longer run")
@@ -217,14 +219,17 @@ def main() -> int:
     t, hf, vl = result["tandem"], result.get("transformers"), result.get("vllm_cpu")
     top = max(batches)
     if hf:
-        ratios[f"tandem_b{top}_over_transformers_b1"] = t[f"decode_tok_s_b{top}"] / hf["decode_tok_s_b1"]
+        ratios[f"tandem_b{top}_over_transformers_b1"] = (t[f"decode_tok_s_b{top}"]
+                                                         / hf["decode_tok_s_b1"])
         for b in batches:
-            ratios[f"tandem_over_transformers_b{b}"] = t[f"decode_tok_s_b{b}"] / hf[f"decode_tok_s_b{b}"]
+            ratios[f"tandem_over_transformers_b{b}"] = (t[f"decode_tok_s_b{b}"]
+                                                        / hf[f"decode_tok_s_b{b}"])
         ratios["tandem_over_transformers_prefill"] = (
             t[f"prefill_tok_s_1x{PREFILL_LEN}"] / hf[f"prefill_tok_s_1x{PREFILL_LEN}"])
     if vl:
         for b in batches:
-            ratios[f"tandem_over_vllm_cpu_c{b}"] = t[f"decode_tok_s_b{b}"] / vl[f"decode_tok_s_c{b}"]
+            ratios[f"tandem_over_vllm_cpu_c{b}"] = (t[f"decode_tok_s_b{b}"]
+                                                    / vl[f"decode_tok_s_c{b}"])
         ratios["tandem_over_vllm_cpu_prefill"] = (
             t[f"prefill_tok_s_1x{PREFILL_LEN}"] / vl[f"prefill_tok_s_1x{PREFILL_LEN}"])
     result["ratios"] = ratios
@@ -240,7 +245,8 @@ def gpu_main(args) -> int:
     from bench.engine_gpu import run
 
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
-    default = "smollm2-1.7b,llama3-8b" if args.device.startswith("cuda") and not args.quick else "tiny"
+    default = ("smollm2-1.7b,llama3-8b" if args.device.startswith("cuda") and not args.quick
+               else "tiny")
     shapes = (args.shapes or default).split(",")
     out = Path(args.out or ROOT / "bench" / "results" / "engine_gpu.json")
     result = run(shapes, args.device, args.quick, out)

@@ -85,7 +85,8 @@ def decode_rates(llm, prompts: Prompts, sizes: Sizes, device: str) -> dict:
     the difference of two runs (checked: each output has max_tokens tokens; a pair whose longer
     run is not slower is reported, not turned into a rate)."""
     out = {}
-    generate_wall(llm, prompts, sizes, device, max(sizes.batches), 2)  # warm-up: every path's shapes
+    # warm-up: every path's shapes
+    generate_wall(llm, prompts, sizes, device, max(sizes.batches), 2)
     for b in sizes.batches:
         walls = [steady_steps(llm, prompts, sizes, device, b, rep) for rep in range(2)]
         wall = min(w for w, _, _ in walls)
@@ -197,7 +198,8 @@ def bench_shape(shape: str, device: str, sizes: Sizes, workdir: Path, with_fidel
     t = time.perf_counter()
     llm = build(shape, device, sizes, workdir)
     graphs = llm.engine.runner.graphs
-    res |= {"build_and_capture_s": round(time.perf_counter() - t, 2), "graph_buckets": graphs.buckets}
+    res |= {"build_and_capture_s": round(time.perf_counter() - t, 2),
+            "graph_buckets": graphs.buckets}
     report(shape, res)
     prompts = Prompts(SHAPES[shape]["vocab_size"])
     for mode in ("graphs", "graphs_sync", "eager"):

@@ -81,7 +81,8 @@ def main() -> int:
     ep_prefix = args.nixl.replace("-", "_").replace("nixl_", "nixl_ep_")
     for wheel in dest.glob(f"{args.nixl.replace('-', '_')}-*.whl"):
         slim(wheel, ep_prefix)
-    smollm2_tokenizer(Path(args.tokenizer_from) if args.tokenizer_from else None, dest / "tokenizer")
+    smollm2_tokenizer(Path(args.tokenizer_from) if args.tokenizer_from else None,
+                      dest / "tokenizer")
     total = sum(p.stat().st_size for p in dest.glob("*.whl"))
     for p in sorted(dest.glob("*.whl")):
         print(f"{p.stat().st_size / 2**20:7.1f} MiB  {p.name}")

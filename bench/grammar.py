@@ -4,11 +4,12 @@
     .venv/bin/pip install --no-deps xgrammar apache-tvm-ffi   # bench only, never CI
     .venv/bin/python bench/grammar.py [--repeats 5]
 
-For three JSON schemas (a small object, an array of six objects, a `tool_choice: required`
-schema over two tools) it measures the compile time (cold: a fresh compiler each time, up to a
-matcher's first mask, since llguidance compiles lazily) and the time of one next-token mask along a valid answer (the answer's own tokens are consumed one by
-one, a mask computed before each), then Tandem's engine decoding a batch of 8 with and without a
-schema. Medians of `--repeats`; JSON to bench/results/grammar.json.
+For three JSON schemas (a small object, an array of six objects, a `tool_choice: required` schema
+over two tools) it measures the compile time (cold: a fresh compiler each time, up to a matcher's
+first mask, since llguidance compiles lazily) and the time of one next-token mask along a valid
+answer (the answer's own tokens are consumed one by one, a mask computed before each), then Tandem's
+engine decoding a batch of 8 with and without a schema. Medians of `--repeats`; JSON to
+bench/results/grammar.json.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "city": {"type": "string"}}}
 PEOPLE = {"type": "object", "required": ["people"], "additionalProperties": False,
-          "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6, "items": PERSON}}}
+          "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6,
+                                    "items": PERSON}}}
 TOOLS = {"type": "array", "minItems": 1, "items": {"anyOf": [
     {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
      "properties": {"name": {"const": "get_weather"}, "parameters": {
@@ -40,7 +43,8 @@ PERSON_ANSWER = {"name": "Ada Lovelace", "age": 36, "city": "London"}
 CASES = {
     "person": (PERSON, PERSON_ANSWER),
     "six_people": (PEOPLE, {"people": [PERSON_ANSWER] * 6}),
-    "tool_required": (TOOLS, [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]),
+    "tool_required": (TOOLS, [{"name": "get_weather",
+                               "parameters": {"city": "Paris", "unit": "celsius"}}]),
 }
 
 
@@ -162,7 +166,8 @@ def main() -> int:
                          "mask_mean_us": round(statistics.fmean(mask_s) * 1e6, 1)}
         if "xgrammar" in row:
             row["xgrammar_over_llguidance"] = {
-                k: round(row["xgrammar"][k] / row["llguidance"][k], 2) if row["llguidance"][k] else None
+                k: round(row["xgrammar"][k] / row["llguidance"][k], 2)
+                   if row["llguidance"][k] else None
                 for k in ("compile_ms", "mask_p50_us", "mask_mean_us")}
         out["cases"][case] = row
         print(json.dumps({case: row}), flush=True)

@@ -50,7 +50,8 @@ async def used_memory(redis, cluster: bool) -> int:
     return int((await redis.info("memory"))["used_memory"])
 
 
-async def load(redis, keys: RedisKeys, workers: list[str], chain: list[int], rng: random.Random) -> None:
+async def load(redis, keys: RedisKeys, workers: list[str], chain: list[int],
+               rng: random.Random) -> None:
     share = TOTAL_ENTRIES // len(workers)
     for i, w in enumerate(workers):
         held = chain[: max(1, len(chain) * (i + 1) // len(workers))]
@@ -84,7 +85,8 @@ async def bench_case(redis, cluster: bool, num_blocks: int, num_workers: int) ->
     before = await used_memory(redis, cluster)
     await load(redis, keys, workers, chain, rng)
     out: dict = {"blocks": num_blocks, "workers": num_workers,
-                 "redis_bytes_per_entry": (await used_memory(redis, cluster) - before) / TOTAL_ENTRIES}
+                 "redis_bytes_per_entry": (await used_memory(redis, cluster) - before)
+                                          / TOTAL_ENTRIES}
     try:
         lua_queries = 200 if num_blocks * num_workers <= 1024 * 32 else 40
         for search in ("exact", "gallop"):
@@ -98,7 +100,8 @@ async def bench_case(redis, cluster: bool, num_blocks: int, num_workers: int) ->
         while replica.feed._stale:
             await replica.feed.poll()
         out["replica_snapshot_s"] = time.perf_counter() - t
-        out["replica_bytes_per_entry"] = replica.replica.memory_bytes() / replica.replica.num_entries()
+        out["replica_bytes_per_entry"] = (replica.replica.memory_bytes()
+                                          / replica.replica.num_entries())
         for search in ("exact", "gallop"):
             replica.search = search
             stats, counts = await timed(replica, chain, workers, 500)
@@ -135,18 +138,21 @@ async def main_async(args) -> dict:
         await redis.aclose()
         if cluster is not None:
             cluster.close()
-    return {"total_entries_stored": TOTAL_ENTRIES, "redis": "cluster (3 masters)" if cluster else url,
-            "results": results}
+    return {"total_entries_stored": TOTAL_ENTRIES,
+            "redis": "cluster (3 masters)" if cluster else url, "results": results}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--cluster", action="store_true", help="start a local Redis Cluster and run there")
+    ap.add_argument("--cluster", action="store_true",
+                    help="start a local Redis Cluster and run there")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     result = asyncio.run(main_async(args))
-    out = Path(args.out or ROOT / "bench" / "results" / f"index{'-cluster' if args.cluster else ''}.json")
+    out = Path(args.out or ROOT / "bench" / "results"
+               / f"index{'-cluster' if args.cluster else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -30,7 +30,8 @@ from kv_transfer import kernels  # noqa: E402
 
 LAYOUTS = {
     "smollm2": dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float16),
-    "llama3-8b": dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
+    "llama3-8b": dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
+                      dtype=torch.bfloat16),
 }
 
 
@@ -84,8 +85,8 @@ def measured(fn, device: torch.device, repeats: int) -> tuple[float, float]:
 
 def row(seconds: float, one_call_s: float, moved: int, copy_Bps: float, ref_s: float | None,
         exact: bool | None) -> dict:
-    out = {"seconds": seconds, "GBps": moved / seconds / 1e9, "over_copy": moved / seconds / copy_Bps,
-           "one_call_seconds": one_call_s}
+    out = {"seconds": seconds, "GBps": moved / seconds / 1e9,
+           "over_copy": moved / seconds / copy_Bps, "one_call_seconds": one_call_s}
     if ref_s is not None:
         out["speedup_over_reference"] = ref_s / seconds
         out["reference_GBps"] = moved / ref_s / 1e9
@@ -113,35 +114,44 @@ def bench_layout(name: str, n: int, device: torch.device, repeats: int, use_kern
     out: dict = {"blocks": n, "bytes": nbytes, "copy": {"seconds": copy_s, "GBps": copy_Bps / 1e9}}
     staging = torch.empty((n, *shape), dtype=cache.dtype, device=device)
     ref = kernels.gather_blocks(cache, ids, use_kernel=False)
-    ref_s = timed(lambda: kernels.gather_blocks(cache, ids, use_kernel=False, out=staging), device, repeats)
-    k_s, k_one = measured(lambda: kernels.gather_blocks(cache, ids, use_kernel=use_kernel, out=staging), device, repeats)
+    ref_s = timed(lambda: kernels.gather_blocks(cache, ids, use_kernel=False, out=staging),
+                  device, repeats)
+    k_s, k_one = measured(lambda: kernels.gather_blocks(cache, ids, use_kernel=use_kernel,
+                                                        out=staging), device, repeats)
     out["gather"] = row(k_s, k_one, 2 * nbytes, copy_Bps, ref_s, torch.equal(staging, ref))
     target, target_ref = cache.clone(), cache.clone()
     kernels.scatter_blocks(target_ref, ids, ref, use_kernel=False)
-    ref_s = timed(lambda: kernels.scatter_blocks(target, ids, ref, use_kernel=False), device, repeats)
-    k_s, k_one = measured(lambda: kernels.scatter_blocks(target, ids, ref, use_kernel=use_kernel), device, repeats)
+    ref_s = timed(lambda: kernels.scatter_blocks(target, ids, ref, use_kernel=False),
+                  device, repeats)
+    k_s, k_one = measured(lambda: kernels.scatter_blocks(target, ids, ref, use_kernel=use_kernel),
+                          device, repeats)
     out["scatter"] = row(k_s, k_one, 2 * nbytes, copy_Bps, ref_s, torch.equal(target, target_ref))
     hnd_ref = kernels.nhd_to_hnd_ref(ref)
     ref_s = timed(lambda: kernels.nhd_to_hnd_ref(ref), device, repeats)
     k_s, k_one = measured(lambda: kernels.nhd_to_hnd(ref, use_kernel=use_kernel), device, repeats)
     out["nhd_to_hnd"] = row(k_s, k_one, 2 * nbytes, copy_Bps, ref_s,
                             torch.equal(kernels.nhd_to_hnd(ref, use_kernel=use_kernel), hnd_ref))
-    k_s, k_one = measured(lambda: kernels.hnd_to_nhd(hnd_ref, use_kernel=use_kernel), device, repeats)
+    k_s, k_one = measured(lambda: kernels.hnd_to_nhd(hnd_ref, use_kernel=use_kernel),
+                          device, repeats)
     out["hnd_to_nhd"] = row(k_s, k_one, 2 * nbytes, copy_Bps, None,
                             torch.equal(kernels.hnd_to_nhd(hnd_ref, use_kernel=use_kernel), ref))
     q_ref, s_ref = kernels.fp8_pack(ref, use_kernel=False)
     packed = nbytes + nbytes // cache.element_size()  # read the blocks, write a byte an element
     ref_s = timed(lambda: kernels.fp8_pack(ref, use_kernel=False), device, repeats)
     for variant in (("auto", "cta", "warp") if use_kernel else ("auto",)):
-        k_s, k_one = measured(lambda v=variant: kernels.fp8_pack(ref, use_kernel=use_kernel, variant=v), device, repeats)
+        k_s, k_one = measured(
+            lambda v=variant: kernels.fp8_pack(ref, use_kernel=use_kernel, variant=v),
+            device, repeats)
         q, sc = kernels.fp8_pack(ref, use_kernel=use_kernel, variant=variant)
         out[f"fp8_pack_{variant}"] = row(k_s, k_one, packed, copy_Bps, ref_s,
                                          torch.equal(q, q_ref) and torch.equal(sc, s_ref))
     back_ref = kernels.fp8_unpack_ref(q_ref, s_ref, cache.dtype)
     ref_s = timed(lambda: kernels.fp8_unpack_ref(q_ref, s_ref, cache.dtype), device, repeats)
-    k_s, k_one = measured(lambda: kernels.fp8_unpack(q_ref, s_ref, cache.dtype, use_kernel=use_kernel), device, repeats)
+    k_s, k_one = measured(lambda: kernels.fp8_unpack(q_ref, s_ref, cache.dtype,
+                                                     use_kernel=use_kernel), device, repeats)
     out["fp8_unpack"] = row(k_s, k_one, packed, copy_Bps, ref_s,
-                            torch.equal(kernels.fp8_unpack(q_ref, s_ref, cache.dtype, use_kernel=use_kernel),
+                            torch.equal(kernels.fp8_unpack(q_ref, s_ref, cache.dtype,
+                                                           use_kernel=use_kernel),
                                         back_ref))
     return out
 
@@ -165,7 +175,8 @@ def goals(results: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sizes", default="16,256")
     ap.add_argument("--layouts", default="smollm2,llama3-8b")
@@ -179,15 +190,18 @@ def main() -> int:
     if args.quick:
         sizes, repeats = [min(s, 4) for s in sizes], 2
     use_kernel = device.type == "cuda" and kernels.cuda_kernels_available()
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    result: dict = {"device": torch.cuda.get_device_name(device)
+                              if device.type == "cuda" else "cpu",
                     "kernels": use_kernel, "repeats": repeats, "layouts": {},
-                    "timing": "device time: calls queued behind a GPU sleep" if device.type == "cuda" else "wall"}
+                    "timing": "device time: calls queued behind a GPU sleep"
+                              if device.type == "cuda" else "wall"}
     if device.type == "cuda" and not use_kernel:
-        print("warning: libtandem_kv.so is not built (python -m kv_transfer.build); references only",
-              file=sys.stderr)
+        print("warning: libtandem_kv.so is not built (python -m kv_transfer.build); "
+              "references only", file=sys.stderr)
     t0 = time.perf_counter()
     for name in args.layouts.split(","):
-        result["layouts"][name] = {str(n): bench_layout(name, n, device, repeats, use_kernel) for n in sizes}
+        result["layouts"][name] = {str(n): bench_layout(name, n, device, repeats, use_kernel)
+                                   for n in sizes}
     result["goals"] = goals(result["layouts"])
     result["seconds"] = time.perf_counter() - t0
     text = json.dumps(result, indent=2)

@@ -8,7 +8,8 @@
 Each layout, transport and size (1/16/256/4096 blocks) pulls scattered and contiguous blocks
 through the real `KVConnector` (each row names its plan, UCX lane and NIXL phases) beside a raw
 one-descriptor READ and WRITE; on `cuda` TCP also runs from a CPU cache. Each combination runs
-in its own process under the `--timeout` left. Goals (issue 30) are in `goals`.
+in its own process under the `--timeout` left, the exporting side in another (bench/kv_sender.py).
+Goals (issue 30) are in `goals`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,89 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kv_sender import LAYOUTS, Sender, block_bytes, make_cache, transport_config  # noqa: E402
+
 from kv_transfer.connector import KVConnector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
-from kv_transfer.transport import TransportConfig  # noqa: E402
-
-LAYOUTS = {
-    "smollm2": dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float16"),
-    "llama3-8b": dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
-}
-MARK = "@@ "
-
-
-def make_cache(layout: str, num_blocks: int, device: str) -> torch.Tensor:
-    s = LAYOUTS[layout]
-    shape = (num_blocks, s["num_layers"], 2, s["block_size"], s["num_kv_heads"], s["head_dim"])
-    return torch.ones(shape, dtype=getattr(torch, s["dtype"]), device=device)  # touched: resident
-
-
-def block_bytes(layout: str) -> int:
-    return KVLayout.of_cache(make_cache(layout, 1, "cpu"), layout).bytes_per_block
-
-
-def transport_config(engine_id: str, staging_blocks: int, layout: str) -> TransportConfig:
-    return TransportConfig(engine_id, pull_timeout_s=60, staging_bytes=staging_blocks * block_bytes(layout))
-
-
-async def sender_main(args) -> None:
-    import uvicorn
-    from fastapi import FastAPI
-
-    from kv_transfer.metadata_api import metadata_router
-
-    cache = make_cache(args.layout, args.num_blocks, args.device)
-    connector = KVConnector(cache, KVLayout.of_cache(cache, args.layout),
-                            transport_config(f"bench-{args.transports}-P", args.staging_blocks, args.layout),
-                            args.transports, release=lambda rid: None, watch_interval_s=0.0005,
-                            idle_interval_s=0.0005)  # raw reads hold no lease but need progress too
-    await connector.start()
-    app = FastAPI()
-    app.include_router(metadata_router(connector, None))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    print(MARK + json.dumps({"url": f"http://127.0.0.1:{port}", "base": cache.data_ptr()}), flush=True)
-    loop = asyncio.get_running_loop()
-    while True:
-        line = await loop.run_in_executor(None, sys.stdin.readline)
-        if not line.strip():
-            break
-        cmd = json.loads(line)
-        fields = connector.export(cmd["request_id"], cmd["block_ids"], 60)
-        print(MARK + json.dumps({"staged_at": fields.get("remote_staging_start")}), flush=True)
-    server.should_exit = True
-    await task
-    await connector.close()
-
-
-class Sender:
-    def __init__(self, transport: str, layout: str, device: str, num_blocks: int, staging_blocks: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", "sender", "--transports", transport, "--layout", layout,
-             "--device", device, "--num-blocks", str(num_blocks), "--staging-blocks", str(staging_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:  # EOF (the sender died) ends the loop
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        raise RuntimeError("sender exited")
-
-    def export(self, request_id: str, block_ids: list[int]) -> int | None:
-        self.proc.stdin.write(json.dumps({"request_id": request_id, "block_ids": block_ids}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["staged_at"]
-
-    def close(self) -> None:
-        try:
-            self.proc.communicate("\n", timeout=30)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def raw_nixl(connector: KVConnector, peer, nbytes: int, op: str) -> float:
@@ -122,10 +43,12 @@ def raw_nixl(connector: KVConnector, peer, nbytes: int, op: str) -> float:
     agent, name = t._agent, t._peer(peer).agent_name
     mem = "VRAM" if t.kv_cache.is_cuda else "DRAM"
     dev = (t.kv_cache.device.index or 0) if t.kv_cache.is_cuda else 0
-    remote = np.array([[int(peer.params["base_address"]), nbytes, int(peer.params["device_id"])]], dtype=np.uint64)
+    remote = np.array([[int(peer.params["base_address"]), nbytes, int(peer.params["device_id"])]],
+                      dtype=np.uint64)
     local = np.array([[t.kv_cache.data_ptr(), nbytes, dev]], dtype=np.uint64)
     start = time.perf_counter()
-    handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name, b"")
+    handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem),
+                                   agent.get_xfer_descs(remote, mem), name, b"")
     state = agent.transfer(handle)
     deadline = time.monotonic() + 60
     while state == "PROC" and time.monotonic() < deadline:
@@ -141,14 +64,16 @@ def repeats_for(n: int, transport: str, quick: bool) -> int:
     return 2 if quick else (small if n <= 16 else (mid if n <= 256 else big))
 
 
-async def bench_combo(layout: str, transport: str, device: str, sizes: list[int], quick: bool) -> dict:
+async def bench_combo(layout: str, transport: str, device: str, sizes: list[int],
+                      quick: bool) -> dict:
     num_blocks = max(sizes) + 64
-    staging = 2 * max(sizes) if transport == "nixl" else 0  # the next export before the last is freed
+    # the next export before the last is freed
+    staging = 2 * max(sizes) if transport == "nixl" else 0
     sender = Sender(transport, layout, device, num_blocks, staging)
     cache = make_cache(layout, num_blocks, device)
     lay = KVLayout.of_cache(cache, layout)
-    connector = KVConnector(cache, lay, transport_config(f"bench-{transport}-D", staging, layout), transport,
-                            release=lambda rid: None)
+    connector = KVConnector(cache, lay, transport_config(f"bench-{transport}-D", staging, layout),
+                            transport, release=lambda rid: None)
     await connector.start()
     rng = np.random.default_rng(0)
     out: dict = {"device": device, "transport": transport, "sizes": {}}
@@ -164,8 +89,10 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
             # warms the path up and is dropped.
             for _ in range(repeats_for(n, transport, quick) + 1):
                 for pattern in ("scattered", "contiguous"):
-                    ids = (rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else list(range(n)))
-                    local = rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered" else ids
+                    ids = (rng.permutation(num_blocks)[:n].tolist() if pattern == "scattered"
+                           else list(range(n)))
+                    local = (rng.permutation(num_blocks)[:n].tolist()
+                             if pattern == "scattered" else ids)
                     counter, rid = counter + 1, f"b{counter + 1}"
                     staged_at = sender.export(rid, ids)
                     slots = None if staged_at is None else list(range(staged_at, staged_at + n))
@@ -173,8 +100,10 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                     times[pattern].append(stats.seconds)
                     await asyncio.sleep(0)  # a turn of the loop: the done notification goes out
                     phases[pattern].append(stats.extra.get("phases_us") or {})
-                    seen[pattern] = {"descriptors": stats.num_descriptors, "label": stats.transport_label,
-                                     "plan": stats.extra.get("plan", "direct"), "staged_export": slots is not None}
+                    seen[pattern] = {"descriptors": stats.num_descriptors,
+                                     "label": stats.transport_label,
+                                     "plan": stats.extra.get("plan", "direct"),
+                                     "staged_export": slots is not None}
                 if transport == "nixl":
                     times["raw_read"].append(raw_nixl(connector, peer, nbytes, "READ"))
                     times["raw_write"].append(raw_nixl(connector, peer, nbytes, "WRITE"))
@@ -184,7 +113,8 @@ async def bench_combo(layout: str, transport: str, device: str, sizes: list[int]
                     t = statistics.median(series[1:])
                     row[kind] = {"seconds": t, "GBps": nbytes / t / 1e9, **seen.get(kind, {})}
                     if kept := [p for p in phases.get(kind, [])[1:] if p]:
-                        row[kind]["phases_us"] = {k: statistics.median(p[k] for p in kept) for k in kept[0]}
+                        row[kind]["phases_us"] = {k: statistics.median(p[k] for p in kept)
+                                                  for k in kept[0]}
             if transport == "nixl":
                 for pattern in ("scattered", "contiguous"):
                     row[pattern]["over_raw_read"] = row[pattern]["GBps"] / row["raw_read"]["GBps"]
@@ -202,63 +132,68 @@ def goals(layouts: dict, device: str) -> dict:
         nixl = combos.get(f"nixl@{device}", {}).get("sizes", {})
         if "256" in nixl:
             r = nixl["256"]
-            out[f"{name}_nixl_scattered_256_GBps"] = {"value": r["scattered"]["GBps"], "goal": ">= 500",
-                                                     "met": r["scattered"]["GBps"] >= 500}
+            out[f"{name}_nixl_scattered_256_GBps"] = {"value": r["scattered"]["GBps"],
+                                                      "goal": ">= 500",
+                                                      "met": r["scattered"]["GBps"] >= 500}
             for pattern, goal in (("scattered", 0.5), ("contiguous", 0.8)):
                 v = r[pattern]["over_raw_read"]
-                out[f"{name}_nixl_{pattern}_256_over_raw"] = {"value": v, "goal": f">= {goal}", "met": v >= goal}
+                out[f"{name}_nixl_{pattern}_256_over_raw"] = {"value": v, "goal": f">= {goal}",
+                                                              "met": v >= goal}
         if "1" in nixl:
             us = nixl["1"]["scattered"]["seconds"] * 1e6
             out[f"{name}_nixl_one_block_us"] = {"value": us, "goal": "<= 50", "met": us <= 50}
-        gpu, cpu = combos.get("tcp@cuda", {}).get("sizes", {}), combos.get("tcp@cpu", {}).get("sizes", {})
+        gpu, cpu = (combos.get("tcp@cuda", {}).get("sizes", {}),
+                    combos.get("tcp@cpu", {}).get("sizes", {}))
         for n in ("256", "4096"):
             if n in gpu and n in cpu:
                 v = gpu[n]["scattered"]["GBps"] / cpu[n]["scattered"]["GBps"]
-                out[f"{name}_tcp_cuda_over_cpu_{n}"] = {"value": v, "goal": ">= 0.9", "met": v >= 0.9}
+                out[f"{name}_tcp_cuda_over_cpu_{n}"] = {"value": v, "goal": ">= 0.9",
+                                                        "met": v >= 0.9}
     return out
 
 
-def run_combo(name: str, transport: str, device: str, sizes: list[int], quick: bool, timeout: float) -> dict:
+def run_combo(name: str, transport: str, device: str, sizes: list[int], quick: bool,
+              timeout: float) -> dict:
     """One (layout, transport, device) in a fresh receiver process: UCX opens its log once per
     process (the lane label of a second transport in one process would stay unknown), and a
     combination that hangs is killed at `timeout` without losing the others."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "combo.json"
-        cmd = [sys.executable, __file__, "--role", "combo", "--layout", name, "--transports", transport,
-               "--device", device, "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        cmd = [sys.executable, __file__, "--role", "combo", "--layout", name,
+               "--transports", transport, "--device", device, "--sizes", ",".join(map(str, sizes)),
+               "--out", str(out)]
         if quick:
             cmd.append("--quick")
         started = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - started}
+            return {"error": f"timed out after {timeout:.0f} s",
+                    "seconds": time.perf_counter() - started}
         if proc.returncode != 0 or not out.is_file():
-            return {"error": f"exit status {proc.returncode}", "seconds": time.perf_counter() - started}
+            return {"error": f"exit status {proc.returncode}",
+                    "seconds": time.perf_counter() - started}
         combo = json.loads(out.read_text())
         combo["seconds"] = time.perf_counter() - started
         return combo
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--layouts", default=None, help="default: both (cpu: smollm2; 8 GiB a Llama cache)")
-    ap.add_argument("--layout", default="smollm2", help=argparse.SUPPRESS)  # sender and combo roles
+    ap.add_argument("--layouts", default=None,
+                    help="default: both (cpu: smollm2; 8 GiB a Llama cache)")
+    ap.add_argument("--layout", default="smollm2", help=argparse.SUPPRESS)  # the combo role
     ap.add_argument("--sizes", default="1,16,256,4096")
     ap.add_argument("--transports", default="nixl,tcp")
-    ap.add_argument("--tcp-max-bytes", type=int, default=2 << 30, help="TCP sizes above this are skipped")
+    ap.add_argument("--tcp-max-bytes", type=int, default=2 << 30,
+                    help="TCP sizes above this are skipped")
     ap.add_argument("--quick", action="store_true", help="sizes 1,16,64 and 2 repeats (CPU check)")
     ap.add_argument("--timeout", type=float, default=300, help="the whole run, seconds")
-    ap.add_argument("--role", default="bench", choices=["bench", "combo", "sender"])
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--staging-blocks", type=int, default=0)
+    ap.add_argument("--role", default="bench", choices=["bench", "combo"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv_transfer.json"))
     args = ap.parse_args()
-    if args.role == "sender":
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-        asyncio.run(sender_main(args))
-        return 0
     if args.role == "combo":
         sizes = [int(x) for x in args.sizes.split(",")]
         Path(args.out).write_text(json.dumps(asyncio.run(
@@ -274,17 +209,20 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    layouts = args.layouts or ("smollm2,llama3-8b" if args.device == "cuda" or args.quick else "smollm2")
+    layouts = (args.layouts
+               or ("smollm2,llama3-8b" if args.device == "cuda" or args.quick else "smollm2"))
     for name in layouts.split(","):
         layout_bytes = block_bytes(name)
         result["layouts"][name] = {"bytes_per_block": layout_bytes, **LAYOUTS[name]}
         for transport, device in combos:
-            use = sizes if transport == "nixl" else [n for n in sizes if n * layout_bytes <= args.tcp_max_bytes]
+            use = (sizes if transport == "nixl"
+                   else [n for n in sizes if n * layout_bytes <= args.tcp_max_bytes])
             left = args.timeout - (time.perf_counter() - t0)
             combo = (run_combo(name, transport, device, use, args.quick, left) if left > 1
                      else {"error": "no time left"})
             result["layouts"][name][f"{transport}@{device}"] = combo
-            print(json.dumps({name: {f"{transport}@{device}": combo.get("sizes", combo)}}), file=sys.stderr)
+            print(json.dumps({name: {f"{transport}@{device}": combo.get("sizes", combo)}}),
+                  file=sys.stderr)
             result["goals"] = goals(result["layouts"], args.device)
             result["seconds"] = time.perf_counter() - t0
             out.write_text(json.dumps(result, indent=2) + "\n")  # what was measured, so far

@@ -41,18 +41,21 @@ ROOT_IP, NS_IP = "10.232.0.1", "10.232.0.2"  # only inside the veth pair made he
 # (rate, token-bucket burst). Only the rate is shaped: this machine's kernel has no sch_netem
 # (`tc qdisc add ... netem` answers "Specified qdisc kind is unknown"), so no added delay; tbf
 # is there. The 0.5 ms / 0.05 ms delays would add well under 1 ms per pull.
-PROFILES = {"25gbit": ("25gbit", "4mb"), "1gbit": ("1gbit", "256kb"), "100mbit": ("100mbit", "64kb")}
+PROFILES = {"25gbit": ("25gbit", "4mb"), "1gbit": ("1gbit", "256kb"),
+            "100mbit": ("100mbit", "64kb")}
 
 
 def words(rng: random.Random, n: int) -> str:
-    vocab = "the a river mountain knight dragon village story long road city light sea wind stone".split()
+    vocab = ("the a river mountain knight dragon village story long road city light sea wind "
+             "stone").split()
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
 def run_profile(name: str, rate: str, burst: str, link: Link, folder: Path, ns: str, redis_url: str,
                 work: Path, num_requests: int, background: int) -> dict:
     link.shape(rate, burst)
-    router = Router(folder, ns, cache_dir=work, redis_url=redis_url, token="bench-token", block_size=16,
+    router = Router(folder, ns, cache_dir=work, redis_url=redis_url, token="bench-token",
+                    block_size=16,
                     env={"TANDEM_ROUTER_LOCAL_PREFILL_MIN_CACHED_FRACTION": "0",
                          "TANDEM_ROUTER_LOCAL_PREFILL_MAX_UNCACHED_TOKENS": "1000000"})
     stop = threading.Event()
@@ -62,13 +65,14 @@ def run_profile(name: str, rate: str, burst: str, link: Link, folder: Path, ns: 
         with httpx.Client(timeout=300) as c:
             while not stop.is_set():
                 c.post(f"{router.url}/v1/completions", json={
-                    "model": folder.name, "prompt": f"{name} background {i} {rng.random()}", "max_tokens": 48,
-                    "temperature": 0, "ignore_eos": True})
+                    "model": folder.name, "prompt": f"{name} background {i} {rng.random()}",
+                    "max_tokens": 48, "temperature": 0, "ignore_eos": True})
 
     threads = []
     try:
         router.wait_workers(2, timeout=60)
-        threads = [threading.Thread(target=background_stream, args=(i,), daemon=True) for i in range(background)]
+        threads = [threading.Thread(target=background_stream, args=(i,), daemon=True)
+                   for i in range(background)]
         for t in threads:
             t.start()
         time.sleep(3)
@@ -77,13 +81,15 @@ def run_profile(name: str, rate: str, burst: str, link: Link, folder: Path, ns: 
             for i in range(num_requests):
                 t0 = time.perf_counter()
                 r = c.post(f"{router.url}/v1/completions", json={
-                    "model": folder.name, "prompt": f"{name} request {i}: " + words(rng, 700), "max_tokens": 2,
-                    "temperature": 0})
+                    "model": folder.name, "prompt": f"{name} request {i}: " + words(rng, 700),
+                    "max_tokens": 2, "temperature": 0})
                 r.raise_for_status()
                 body = r.json()
-                rows.append({"plan": body["tandem"]["plan"], "transfer_s": body["tandem"]["transfer_s"],
+                rows.append({"plan": body["tandem"]["plan"],
+                             "transfer_s": body["tandem"]["transfer_s"],
                              "transfer_bytes": body["tandem"]["transfer_bytes"],
-                             "prefill_s": body["tandem"]["prefill_s"], "e2e_s": time.perf_counter() - t0,
+                             "prefill_s": body["tandem"]["prefill_s"],
+                             "e2e_s": time.perf_counter() - t0,
                              "prompt_tokens": body["usage"]["prompt_tokens"]})
                 print(json.dumps({"profile": name, **rows[-1]}), file=sys.stderr)
         metrics = router.metrics()
@@ -96,17 +102,21 @@ def run_profile(name: str, rate: str, burst: str, link: Link, folder: Path, ns: 
     plans = {p: sum(r["plan"] == p for r in rows) for p in ("disagg", "decode_local")}
     return {
         "rate": rate, "burst": burst, "plans": plans, "rows": rows,
-        "transfer_s_mean_disagg": statistics.mean(r["transfer_s"] for r in disagg) if disagg else None,
-        "pull_bytes_per_s": (sum(r["transfer_bytes"] for r in disagg) / sum(r["transfer_s"] for r in disagg)
+        "transfer_s_mean_disagg": statistics.mean(r["transfer_s"] for r in disagg)
+                                  if disagg else None,
+        "pull_bytes_per_s": (sum(r["transfer_bytes"] for r in disagg)
+                             / sum(r["transfer_s"] for r in disagg)
                              if disagg else None),
         "e2e_s_mean": statistics.mean(r["e2e_s"] for r in rows),
         "plans_after_first": {p: sum(r["plan"] == p for r in rows[1:]) for p in plans},
-        "router_hit_tokens": sum(v for k, v in metrics.items() if k.startswith("tandem_prefix_cache_hit_tokens")),
+        "router_hit_tokens": sum(v for k, v in metrics.items()
+                                 if k.startswith("tandem_prefix_cache_hit_tokens")),
     }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--background", type=int, default=4, help="background decode streams on D")
@@ -119,8 +129,9 @@ def main() -> int:
     folder = resolve_model(args.model)
     link = Link([ROOT_IP], NS_IP)
     redis_port = free_port()
-    redis_proc = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", f"127.0.0.1 {ROOT_IP}",
-                                   "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+    redis_proc = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind",
+                                   f"127.0.0.1 {ROOT_IP}", "--save", "", "--appendonly", "no",
+                                   "--protected-mode", "no"],
                                   stdout=subprocess.DEVNULL)
     redis_url = f"redis://{ROOT_IP}:{redis_port}/0"
     ns = f"bench-net-{uuid.uuid4().hex[:6]}"
@@ -132,10 +143,10 @@ def main() -> int:
         time.sleep(0.5)
         p = d = None
         try:
-            p = Worker("prefill", str(folder), cache_dir=work, num_blocks=2048, block_size=16, token="bench-token",
-                       host=ROOT_IP, env=env, extra=common)
-            d = Worker("decode", str(folder), cache_dir=work, num_blocks=2048, block_size=16, token="bench-token",
-                       host=NS_IP, netns=link.ns, env=env, extra=common)
+            p = Worker("prefill", str(folder), cache_dir=work, num_blocks=2048, block_size=16,
+                       token="bench-token", host=ROOT_IP, env=env, extra=common)
+            d = Worker("decode", str(folder), cache_dir=work, num_blocks=2048, block_size=16,
+                       token="bench-token", host=NS_IP, netns=link.ns, env=env, extra=common)
             for name, (rate, burst) in PROFILES.items():
                 results[name] = run_profile(name, rate, burst, link, folder, ns, redis_url, work,
                                             args.requests, args.background)
@@ -145,13 +156,14 @@ def main() -> int:
                     w.close()
             redis_proc.kill()
             link.close()
-    out = {"model": args.model, "requests_per_profile": args.requests, "background_streams": args.background,
-           "profiles": results}
+    out = {"model": args.model, "requests_per_profile": args.requests,
+           "background_streams": args.background, "profiles": results}
     path = ROOT / "bench" / "results" / "network.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: {"plans": v["plans"], "transfer_s_mean_disagg": v["transfer_s_mean_disagg"],
-                          "pull_bytes_per_s": v["pull_bytes_per_s"],
-                          "e2e_s_mean": v["e2e_s_mean"]} for k, v in results.items()}, indent=2))
+    print(json.dumps({k: {"plans": v["plans"],
+                          "transfer_s_mean_disagg": v["transfer_s_mean_disagg"],
+                          "pull_bytes_per_s": v["pull_bytes_per_s"], "e2e_s_mean": v["e2e_s_mean"]}
+                      for k, v in results.items()}, indent=2))
     return 0
 
 

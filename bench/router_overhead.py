@@ -196,7 +196,8 @@ async def load(url: str, rate: float, seconds: float, seed: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="50,200,500")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--role", default="bench")
@@ -221,7 +222,8 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_random(logs / "tiny-random")
     fp, fd = free_port(), free_port()
-    procs = [spawn([sys.executable, __file__, "--role", "fake", "--port", str(p)], logs / f"fake-{p}.log")
+    procs = [spawn([sys.executable, __file__, "--role", "fake", "--port", str(p)],
+                   logs / f"fake-{p}.log")
              for p in (fp, fd)]
     targets = {"direct": f"http://127.0.0.1:{fd}/v1/completions"}
     pids = {"direct": procs[1].pid}
@@ -237,7 +239,8 @@ def main() -> int:
                         "--worker", f"decode=http://127.0.0.1:{fd}"], logs / "tandem-router.log"))
     targets["tandem"] = f"http://127.0.0.1:{tp}/v1/completions"
     pids["tandem"] = procs[-1].pid
-    vr = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    vr = (shutil.which("vllm-router")
+          or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
     if vr:
         vp = free_port()
         procs.append(spawn([vr, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{fp}",
@@ -245,7 +248,8 @@ def main() -> int:
                             "--host", "127.0.0.1", "--port", str(vp)], logs / "vllm-router.log"))
         targets["vllm-router"] = f"http://127.0.0.1:{vp}/v1/completions"
         pids["vllm-router"] = procs[-1].pid
-    sr = shutil.which("sglang-router") or shutil.which("sglang-router", path=str(Path(sys.executable).parent))
+    sr = (shutil.which("sglang-router")
+          or shutil.which("sglang-router", path=str(Path(sys.executable).parent)))
     if sr:
         sp = free_port()
         # PD mode: sends the request to prefill and decode at once (bootstrap fields added); the

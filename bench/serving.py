@@ -69,8 +69,9 @@ def run_aiperf(args, url: str, folder: Path, conc: int, isl: int, seed: int, out
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| target | in flight | prompt tokens | TTFT p50 ms | ITL p50 ms | ITL p99 ms | output tok/s "
-             "| tok/s vs vLLM | ITL p50 vs vLLM | TTFT p50 vs vLLM |", "|" + "---|" * 10]
+    lines = ["| target | in flight | prompt tokens | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
+             "output tok/s | tok/s vs vLLM | ITL p50 vs vLLM | TTFT p50 vs vLLM |",
+             "|" + "---|" * 10]
     base = {(s["concurrency"], s["input_tokens"]): s for s in summary if s["target"] == "vllm"}
 
     def ratio(s, key, invert=False):
@@ -83,16 +84,18 @@ def markdown(summary: list[dict]) -> str:
         return "–" if v is None else f"{v:.1f}"
 
     for s in summary:
-        lines.append(f"| {s['target']} | {s['concurrency']} | {s['input_tokens']} | {f(s['ttft_p50_ms'])} "
-                     f"| {f(s['itl_p50_ms'])} | {f(s['itl_p99_ms'])} | {f(s['output_tok_s'])} "
-                     f"| {ratio(s, 'output_tok_s')} | {ratio(s, 'itl_p50_ms', True)} "
-                     f"| {ratio(s, 'ttft_p50_ms', True)} |")
-    lines.append("\nRatios are vLLM's latency over ours and our throughput over vLLM's: above 1× is Tandem ahead.")
+        lines.append(f"| {s['target']} | {s['concurrency']} | {s['input_tokens']} | "
+                     f"{f(s['ttft_p50_ms'])} | {f(s['itl_p50_ms'])} | {f(s['itl_p99_ms'])} | "
+                     f"{f(s['output_tok_s'])} | {ratio(s, 'output_tok_s')} | "
+                     f"{ratio(s, 'itl_p50_ms', True)} | {ratio(s, 'ttft_p50_ms', True)} |")
+    lines.append("\nRatios are vLLM's latency over ours and our throughput over vLLM's: "
+                 "above 1× is Tandem ahead.")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", default="vllm,colocated,pd,vllm-pd")
     ap.add_argument("--concurrency", default="4,16")
     ap.add_argument("--input-tokens", default="200,1000")
@@ -135,23 +138,27 @@ def main() -> int:
                     procs.logs.mkdir()
                     try:
                         url = start_target(target, args, folder, procs, max_len)
-                        res = run_aiperf(args, url, folder, conc, isl, 7 + rep, work / name / "aiperf")
+                        res = run_aiperf(args, url, folder, conc, isl, 7 + rep,
+                                         work / name / "aiperf")
                     except Exception as e:  # noqa: BLE001 - one failed arm is reported, not fatal
                         res = {"error": f"{type(e).__name__}: {e}"}
                     finally:
                         procs.stop()
-                    runs.append({"target": target, "concurrency": conc, "input_tokens": isl, "repeat": rep, **res})
+                    runs.append({"target": target, "concurrency": conc, "input_tokens": isl,
+                                 "repeat": rep, **res})
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     summary = []
     for isl in isls:
         for conc in concs:
             for target in targets:
-                rs = [r for r in runs if (r["target"], r["concurrency"], r["input_tokens"]) == (target, conc, isl)
+                rs = [r for r in runs
+                      if (r["target"], r["concurrency"], r["input_tokens"]) == (target, conc, isl)
                       and "error" not in r]
                 summary.append({"target": target, "concurrency": conc, "input_tokens": isl,
                                 "num_runs": len(rs),
-                                **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                                              "itl_p99_ms", "output_tok_s")}})
+                                **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms",
+                                                              "itl_p50_ms", "itl_p99_ms",
+                                                              "output_tok_s")}})
     result = {"threads": args.threads, "output_tokens": args.output_tokens, "repeats": args.repeats,
               "runs": runs, "summary": summary}
     (RESULTS / "serving.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -38,9 +38,9 @@ def mixed_markdown(summary: list[dict], base_target: str) -> str:
         return f"{s[key] / base[key]:.2f}×"
 
     for s in summary:
-        lines.append(f"| {s['target']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p99_ms'])} | {f(s['itl_p50_ms'])} "
-                     f"| {f(s['itl_p99_ms'])} | {f(s['output_tok_s'])} | {r(s, 'itl_p99_ms')} "
-                     f"| {r(s, 'output_tok_s')} |")
+        lines.append(f"| {s['target']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p99_ms'])} | "
+                     f"{f(s['itl_p50_ms'])} | {f(s['itl_p99_ms'])} | {f(s['output_tok_s'])} | "
+                     f"{r(s, 'itl_p99_ms')} | {r(s, 'output_tok_s')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -66,7 +66,8 @@ def main_mixed(args, targets: list[str], folder: Path, work: Path) -> None:
         summary.append({"target": target, "num_runs": len(rs),
                         **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                       "itl_p99_ms", "output_tok_s")}})
-    (RESULTS / "serving_mixed.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
+    (RESULTS / "serving_mixed.json").write_text(json.dumps({"runs": runs, "summary": summary},
+                                                           indent=2) + "\n")
     md = mixed_markdown(summary, "vllm")
     (RESULTS / "serving_mixed.md").write_text(md)
     print(md)

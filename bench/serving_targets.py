@@ -35,10 +35,11 @@ class Procs:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, **(env or {})})
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, env={**os.environ, **(env or {})})
         self.procs.append(p)
         return p
 
@@ -96,8 +97,8 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
             target, engine_env = target.removesuffix(suffix), {"TANDEM_ENGINE_PROCESS": value}
     if target == "colocated":
         port = free_port()
-        procs.start(target, [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model", str(folder),
-                             "--port", str(port), "--threads", str(args.threads),
+        procs.start(target, [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model",
+                             str(folder), "--port", str(port), "--threads", str(args.threads),
                              "--kv-memory", "2", "--max-model-len", str(max_len)], engine_env)
         wait_ok(f"http://127.0.0.1:{port}/ready", procs)
         return f"http://127.0.0.1:{port}"
@@ -105,8 +106,10 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
         port = free_port()
         # By name, not path: the router serves the model under the name it was given.
         procs.start("tandem-up", [str(ROOT / ".venv" / "bin" / "tandem"), "up", "--model", MODEL,
-                                  "--port", str(port), "--prefill", "1", "--decode", "1", "--threads", "1",
-                                  "--namespace", f"bench-serving-{uuid.uuid4().hex[:8]}"], engine_env)
+                                  "--port", str(port), "--prefill", "1", "--decode", "1",
+                                  "--threads", "1", "--namespace",
+                                  f"bench-serving-{uuid.uuid4().hex[:8]}"],
+                    engine_env)
         wait_ok(f"http://127.0.0.1:{port}/ready", procs,
                 check=lambda b: len(json.loads(b).get("workers", [])) >= 2)
         return f"http://127.0.0.1:{port}"

@@ -38,7 +38,8 @@ prompt and the blocks its answer filled) unless the small cache evicted it.
 out-of-band traffic or a restart). The summary gives
 exact/ideal and exact over each other arm. `tandem-exact-full` is the exact arm with
 `--vllm-report-full-prefix` (every request re-reports its cached prefix): its cost is its TTFT and
-the KV event bytes and blocks the servers published (counted by a second subscriber). Writes bench/results/vllm_routing.json.
+the KV event bytes and blocks the servers published (counted by a second subscriber). Writes
+bench/results/vllm_routing.json.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ SCENARIO_NOTES = {
     "replicas": "4 router replicas, each conversation's turns going round them",
     "out_of_band": "1 router; odd turns straight to a server drawn from (seed, conversation, "
                    "turn), as another client of the fleet would send them",
-    "restart": "1 router; when conversation n/2 reaches turn t/2 the load pauses and the second vLLM "
-               "server restarts on the same ports, cache empty",
+    "restart": "1 router; when conversation n/2 reaches turn t/2 the load pauses and the second "
+               "vLLM server restarts on the same ports, cache empty",
     "router_restart": "the same pause, and the arm's router restarts (the ideal has none)",
 }
 
@@ -182,10 +183,12 @@ def run_arm(arm: str, name: str, args, fleet, folder: Path, log_dir: Path) -> di
             "errors": len(records) - len(ok), "wall_s": round(wall_s, 1),
             "hit_tokens": hits, "query_tokens": queries,
             "hit_ratio": round(hits / queries, 4) if queries else None,
-            "prev_prompt_hit_ratio": round(prev_prompt_hits(ok, BLOCK_SIZE) / sent, 4) if sent else None,
+            "prev_prompt_hit_ratio": round(prev_prompt_hits(ok, BLOCK_SIZE) / sent, 4)
+                                     if sent else None,
             "per_server_queries": [a[1] - b[1] for a, b in zip(after, before, strict=True)],
             "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
-            "event_bytes": sum(e[0] for e in events), "event_blocks_stored": sum(e[1] for e in events)}
+            "event_bytes": sum(e[0] for e in events),
+            "event_blocks_stored": sum(e[1] for e in events)}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -199,7 +202,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         row = {"scenario": name, "exact_hit_ratio": exact["hit_ratio"],
                "ideal_hit_ratio": ideal and ideal["hit_ratio"],
                "exact_over_ideal": ideal and round(exact["hit_ratio"] / ideal["hit_ratio"], 3)}
-        for arm in ("tandem-approx", "vllm-router-cache-aware", "vllm-router-kv-aware", "round-robin"):
+        for arm in ("tandem-approx", "vllm-router-cache-aware", "vllm-router-kv-aware",
+                    "round-robin"):
             if by_arm.get(arm, {}).get("hit_ratio"):
                 row[f"exact_over_{arm}"] = round(exact["hit_ratio"] / by_arm[arm]["hit_ratio"], 2)
         out.append(row)
@@ -207,7 +211,8 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--scenario", default=",".join(SCENARIOS),
                     help=f"comma-separated, of {', '.join(SCENARIOS)}")

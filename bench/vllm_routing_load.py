@@ -100,7 +100,8 @@ class SpreadRunner(Runner):
                 try:
                     url = self._url(s.session_id, i, url)
                     if url not in clients:
-                        clients[url] = httpx.AsyncClient(base_url=url, timeout=self.config.timeout_s)
+                        clients[url] = httpx.AsyncClient(base_url=url,
+                                                         timeout=self.config.timeout_s)
                     rec, text = await self._one(clients[url], s.session_id, i, messages,
                                                 turn.max_tokens)
                 finally:

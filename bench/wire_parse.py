@@ -25,14 +25,16 @@ sys.path.insert(0, str(ROOT))
 from common.protocol import PrefillResponse, StreamEvent  # noqa: E402
 
 EVENT = b'{"request_id":"chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c","token_ids":[12345]}'
-FINAL = (b'{"request_id":"chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c","token_ids":[2],"finish_reason":"stop",'
-         b'"num_cached_tokens":192,"timing":{"queue_s":0.001,"prefill_s":0.0,"transfer_s":0.004,'
-         b'"transfer_bytes":2211840,"decode_s":1.2}}')
+FINAL = (b'{"request_id":"chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c","token_ids":[2],'
+         b'"finish_reason":"stop","num_cached_tokens":192,"timing":{"queue_s":0.001,'
+         b'"prefill_s":0.0,"transfer_s":0.004,"transfer_bytes":2211840,"decode_s":1.2}}')
 PREFILL = orjson.dumps({
-    "request_id": "chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c", "first_token_id": 791, "num_cached_tokens": 0,
+    "request_id": "chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c", "first_token_id": 791,
+    "num_cached_tokens": 0,
     "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "prefill-127.0.0.1-8200",
                            "remote_block_ids": list(range(40)), "remote_host": "127.0.0.1",
-                           "remote_port": 8200, "remote_request_id": "chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c",
+                           "remote_port": 8200,
+                           "remote_request_id": "chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c",
                            "block_hashes": [2**63 + i for i in range(40)], "num_tokens": 645,
                            "prompt_hash": 2**62, "expires_at": 1.8e9, "lease_expires_at": 1.8e9,
                            "signature": "a" * 64}})
@@ -70,7 +72,8 @@ def per_call_us(fn, payload: bytes, n: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=200_000)
     args = ap.parse_args()
     parsers = {"orjson_dict": orjson.loads,
@@ -80,7 +83,8 @@ def main() -> int:
         parsers["msgspec_event"] = msgspec.json.Decoder(EventStruct).decode
     result = {"n": args.n, "us_per_parse": {}}
     for name, fn in parsers.items():
-        payloads = {"prefill": PREFILL} if "prefill" in name else {"event": EVENT, "final_event": FINAL}
+        payloads = ({"prefill": PREFILL} if "prefill" in name
+                    else {"event": EVENT, "final_event": FINAL})
         if name == "orjson_dict":
             payloads["prefill"] = PREFILL
         for label, payload in payloads.items():

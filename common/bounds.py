@@ -28,7 +28,8 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_BLOCK_IDS = 1 << 20
-MAX_LEASE_SECONDS = 3600.0  # the wire bound; each worker applies its own, lower, --max-lease-seconds
+# the wire bound; each worker applies its own, lower, --max-lease-seconds
+MAX_LEASE_SECONDS = 3600.0
 
 # Request ids travel into NIXL notifications, log lines, metric-free keys and URLs: keep them to
 # characters that need no escaping anywhere.
@@ -36,7 +37,9 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]+$"
 ENGINE_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 # A host name or an IPv4/IPv6 literal: no scheme, path, user info or port (SSRF through a
 # `remote_host` of "evil/x?" or "user@host" is impossible by construction).
-HOST_PATTERN = r"^(?:[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*|\[?[0-9A-Fa-f:.]{2,45}\]?)$"
+HOST_PATTERN = (r"^(?:[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
+                r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*"
+                r"|\[?[0-9A-Fa-f:.]{2,45}\]?)$")
 
 _HOST_RE = re.compile(HOST_PATTERN)
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)

@@ -82,7 +82,8 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if not m.get("tool_calls") and not m.get("function_call") and not m.get("refusal"):
             out["content"] = ""  # an empty assistant turn
     elif not isinstance(content, str):
-        raise _bad(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+        raise _bad(f"{where}.content must be a string or a list of content parts",
+                   f"{where}.content")
     if role == "assistant" and m.get("tool_calls") is not None:
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
@@ -100,7 +101,8 @@ def _text_parts(parts: list[Any], where: str) -> str:
             texts.append(p["refusal"])
         else:
             raise _bad(f"{where}[{j}]: content parts of type {kind!r} are not supported: this "
-                       "server runs a text-only model (send text parts or a string)", f"{where}[{j}].type")
+                       "server runs a text-only model (send text parts or a string)",
+                       f"{where}[{j}].type")
     # As vLLM: text parts are joined by newlines.
     return "\n".join(texts)
 

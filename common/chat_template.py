@@ -1,9 +1,9 @@
-"""A model's chat template, rendered the way `transformers`' `apply_chat_template` renders it, so the
-router's prompt tokens are the ones the model was trained on: the same Jinja sandbox and
-extensions (`loopcontrols` for `{% break %}`, the `{% generation %}` tag), the same `tojson`
-(no HTML escaping, non-ASCII kept), `raise_exception`, `strftime_now`, `namespace`, the special
-tokens as variables, `tools` and `documents`, `None`-valued message keys dropped, reasoning
-fields aliased, `add_generation_prompt` and `continue_final_message`.
+"""A model's chat template, rendered the way `transformers`' `apply_chat_template` renders it, so
+the router's prompt tokens are the ones the model was trained on: the same Jinja sandbox and
+extensions (`loopcontrols` for `{% break %}`, the `{% generation %}` tag), the same `tojson` (no
+HTML escaping, non-ASCII kept), `raise_exception`, `strftime_now`, `namespace`, the special tokens
+as variables, `tools` and `documents`, `None`-valued message keys dropped, reasoning fields aliased,
+`add_generation_prompt` and `continue_final_message`.
 
 tests/common/test_chat_template.py checks it string for string against transformers.
 """
@@ -64,7 +64,8 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name):
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+            raise jinja2.exceptions.SecurityError("a namespace attribute may not start "
+                                                  f"with '_': {name!r}")
 
 
 class _Dict:
@@ -126,7 +127,8 @@ def _message(message: Mapping) -> dict:
 class ChatTemplate:
     """One template source (or a model's named templates: `default`, `tool_use`)."""
 
-    def __init__(self, source: str | dict[str, str], special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str | dict[str, str],
+                 special_tokens: dict[str, str] | None = None) -> None:
         named = source if isinstance(source, dict) else {"default": source}
         if "default" not in named:
             raise ValueError(f"named chat templates need a 'default' one, got {sorted(named)}")
@@ -150,7 +152,8 @@ class ChatTemplate:
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if continue_final_message and add_generation_prompt:
-            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+            raise ChatTemplateError("continue_final_message and add_generation_prompt "
+                                    "exclude each other")
         name = "tool_use" if tools and "tool_use" in self._compiled else "default"
         try:
             return self._render(name, [_message(_plain(m)) for m in messages], tools, documents,
@@ -174,7 +177,8 @@ class ChatTemplate:
         if continue_final_message:
             final = chat[-1].get("content")
             if not isinstance(final, str):
-                raise ChatTemplateError("continue_final_message needs a final message with text content")
+                raise ChatTemplateError("continue_final_message needs a final message "
+                                        "with text content")
             chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         try:
             text = self._compiled[name].render(
@@ -196,5 +200,6 @@ class ChatTemplate:
             tag = text.rfind(_CONTINUE_TAG.strip())
             if tag < 0 or final.strip() not in text:
                 raise ChatTemplateError("the chat template dropped the final message to continue")
-            text = text[:tag] if text[tag:tag + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:tag].rstrip()
+            text = (text[:tag] if text[tag:tag + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+                    else text[:tag].rstrip())
         return text

@@ -10,8 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
 
 # The code of a decode worker's 502 when it could not pull a prompt's KV blocks and its policy
 # is to fail rather than recompute (--kv-pull-failure-policy fail): the router retries no other
@@ -27,7 +28,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
 
@@ -35,7 +37,8 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 def error_response(e: Exception, path: str = "") -> JSONResponse:
     """The OpenAI-format response for any exception a handler raised (500 for the unexpected)."""
     if isinstance(e, APIError):
-        return JSONResponse(error_body(e.status, e.message, e.code, e.param), e.status, headers=e.headers)
+        return JSONResponse(error_body(e.status, e.message, e.code, e.param), e.status,
+                            headers=e.headers)
     if isinstance(e, RequestValidationError):
         msg, loc = _first_error(e.errors())
         return JSONResponse(error_body(400, msg, "invalid_request", loc), 400)

@@ -48,4 +48,5 @@ def setup_logging(level: int = logging.INFO, json_lines: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))  # one line per request otherwise
+    # one line per request otherwise
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))

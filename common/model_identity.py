@@ -1,5 +1,5 @@
-"""What makes two workers serve "the same model" (docs/contract.md "Registration per model"): the digest
-of the files that decide its tokens (config and tokenizer), and the names it is served under.
+"""What makes two workers serve "the same model" (docs/contract.md "Registration per model"): the
+digest of the files that decide its tokens (config and tokenizer), and the names it is served under.
 
 The router keeps one tokenizer, block hasher and prefix index per (served name, digest) and routes
 a request only among workers of its model; the hash seed includes the digest, so blocks of two
@@ -18,9 +18,9 @@ from common.bounds import MAX_TOKEN_ID
 # The files that decide a model's token ids and their meaning. The weights are left out on
 # purpose: hashing gigabytes at every start would cost minutes, and two folders that differ only
 # in their weights are a deployment error the digest cannot catch cheaply anyway.
-IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json",
-                  "merges.txt")
+IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "tokenizer.model", "vocab.json", "merges.txt")
 DIGEST_CHARS = 16
 
 # A served model name as it may appear in a request, a registration and a metric label.
@@ -44,7 +44,8 @@ def model_digest(folder: str | Path) -> str:
             h.update(data)
             found += 1
     if not found:
-        raise FileNotFoundError(f"{folder} has no config or tokenizer files to identify the model by")
+        raise FileNotFoundError(f"{folder} has no config or tokenizer files to "
+                                "identify the model by")
     return h.hexdigest()[:DIGEST_CHARS]
 
 

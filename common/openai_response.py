@@ -15,7 +15,8 @@ def usage(num_prompt: int, num_output: int, num_cached: int | None = None) -> di
     return out
 
 
-def choice(index: int, text: str, finish: str | None, chat: bool, logprobs: dict | None = None) -> dict:
+def choice(index: int, text: str, finish: str | None, chat: bool,
+           logprobs: dict | None = None) -> dict:
     """One choice of a full (non-streamed) response."""
     c: dict[str, Any] = {"index": index, "finish_reason": finish}
     if chat:

@@ -1,5 +1,6 @@
 """The worker side of the Redis schema (common/registry.py): registration, heartbeat, and the
-worker's block set mirrored into `blocks:{id}` and its shard's event stream (common/block_events.py).
+worker's block set mirrored into `blocks:{id}` and its shard's event stream
+(common/block_events.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class WorkerPublisher:
         self.seq = -1  # of the last entry written in this epoch
         self.worker_id = worker_id
         self.info = info
-        self._fields = {k: (json.dumps(v) if isinstance(v, dict | list) else str(v)) for k, v in info.items()}
+        self._fields = {k: (json.dumps(v) if isinstance(v, dict | list) else str(v))
+                        for k, v in info.items()}
         if token:
             self._fields["signature"] = registration_signature(worker_id, self._fields, token)
         self._snapshot = snapshot
@@ -137,7 +139,8 @@ class WorkerPublisher:
             except Exception as e:  # noqa: BLE001 - redis errors of every kind: retry
                 self.errors.record("redis_publisher", e)
                 if self.connected:
-                    log.warning("redis: lost connection (%s); requests continue, index resyncs later", e)
+                    log.warning("redis: lost connection (%s); requests continue, "
+                                "index resyncs later", e)
                 self.connected = False
                 with self._lock:
                     self._pending.clear()
@@ -183,7 +186,8 @@ class WorkerPublisher:
     async def _heartbeat(self) -> None:
         wkey, bkey = self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id)
         # `events`: where this worker's stream stands, so a reader that lost the tail sees it.
-        fields = {**self._fields, "load": json.dumps(self._load()), "events": f"{self.epoch}:{self.seq}"}
+        fields = {**self._fields, "load": json.dumps(self._load()),
+                  "events": f"{self.epoch}:{self.seq}"}
         # The whole hash is rewritten at once (MULTI): a field someone else added (which
         # breaks the signature, so routers refuse the worker) lives one heartbeat at most.
         pipe = self.redis.pipeline(transaction=True)

@@ -21,8 +21,8 @@ def connect(url: str, cluster: bool = False, timeout_s: float = 1.0):
         # Partial coverage: while a failed master's replica takes over, the other slots still
         # answer. A command on the failed slots fails after the client's retries (and the slot
         # map is re-read); callers fail open or retry on their own schedule.
-        return RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                     require_full_coverage=False)
+        return RedisCluster.from_url(url, socket_timeout=timeout_s,
+                                     socket_connect_timeout=timeout_s, require_full_coverage=False)
     import redis.asyncio as aioredis
 
     return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

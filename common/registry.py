@@ -1,6 +1,7 @@
 """The Redis schema (docs/contract.md "Redis schema"): keys and the registration a router reads.
 
-    tandem:{namespace}:worker:{id}             hash: role, url, model, block_size, capacity, load (JSON) ...
+    tandem:{namespace}:worker:{id}             hash: role, url, model, block_size, capacity,
+                                               load (JSON) ...
     tandem:{namespace}:blocks:{ns#shard}:{id}  set of block hashes (`common.hashing.hash_member`)
     tandem:{namespace}:events:{ns#shard}       stream of block events (common/block_events.py)
 
@@ -98,7 +99,8 @@ class ProbedModel(BaseModel):
     hash_seed: int | None = Field(None, ge=0, lt=1 << 64)
     block_size: int | None = Field(None, ge=1, le=1 << 16)
     max_model_len: int | None = Field(None, ge=1, le=1 << 40)
-    vocab_size: int | None = Field(None, ge=1, le=MAX_TOKEN_ID + 1)  # the model's, not the tokenizer's
+    # the model's, not the tokenizer's
+    vocab_size: int | None = Field(None, ge=1, le=MAX_TOKEN_ID + 1)
 
     @property
     def names(self) -> list[str]:

@@ -242,7 +242,8 @@ def compile_grammar(kind: str, spec: str) -> str:
             choices = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"invalid choice constraint: {_short(e)}") from e
-        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+        if not (isinstance(choices, list) and choices
+                and all(isinstance(c, str) and c for c in choices)):
             raise ValueError("a choice constraint must be a non-empty list of non-empty strings")
     fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
     try:

@@ -45,7 +45,8 @@ class Tokenizer:
         if jinja_file.is_file():
             template = jinja_file.read_text()
         if isinstance(template, list):  # named templates (default, tool_use, ...)
-            template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+            template = {t["name"]: t["template"] for t in template
+                        if isinstance(t, dict) and "name" in t}
         special = {k: _token_str(cfg.get(k)) for k in _SPECIAL_TOKEN_KEYS}
         self.special_tokens = {k: v for k, v in special.items() if v}
         self.bos_token = self.special_tokens.get("bos_token")
@@ -70,7 +71,8 @@ class Tokenizer:
         None when the tokenizer normalizes text first: text may then shrink and no bound holds."""
         if self._tok.normalizer is not None:
             return None
-        return max(len((self._tok.id_to_token(i) or "").encode()) for i in range(self.vocab_size)) or None
+        return (max(len((self._tok.id_to_token(i) or "").encode()) for i in range(self.vocab_size))
+                or None)
 
     @property
     def vocab_size(self) -> int:
@@ -123,8 +125,8 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text, as transformers' `apply_chat_template(..., tokenize=False)` renders it
         (common/chat_template.py); `kwargs`: tools, documents, continue_final_message, and any
         variable the template reads."""
@@ -135,8 +137,8 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     max_tokens: int | None = None, **kwargs: Any) -> list[int]:
         # As transformers does: the template already carries the special tokens.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False,
-                           max_tokens)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           False, max_tokens)
 
 
 class TextStream:

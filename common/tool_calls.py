@@ -61,7 +61,8 @@ class HermesParser:
                 continue  # not a call after all: stays in the text below
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 args = obj.get("arguments", obj.get("parameters", {}))
-                calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
+                calls.append(ToolCall(obj["name"],
+                                      args if isinstance(args, str) else json.dumps(args)))
         if not calls:
             return text, []
         return text[: text.index(self.start)].rstrip(), calls
@@ -70,7 +71,8 @@ class HermesParser:
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
 
 
-def tool_constraint(tools: list[Tool] | None, choice, parallel: bool | None) -> StructuredOutput | None:
+def tool_constraint(tools: list[Tool] | None, choice,
+                    parallel: bool | None) -> StructuredOutput | None:
     """The JSON schema that `required` or a named `tool_choice` puts on the output;
     StructuredError (naming `tool_choice`) when there can be none."""
     if not tools or choice in (None, "none", "auto"):
@@ -215,8 +217,8 @@ class ToolStream:
         for index, call in enumerate(calls):
             deltas.append(_head(index, call))
             for i in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS):
-                deltas.append({"index": index,
-                               "function": {"arguments": call.arguments[i:i + ARGUMENT_PIECE_CHARS]}})
+                deltas.append({"index": index, "function": {
+                    "arguments": call.arguments[i:i + ARGUMENT_PIECE_CHARS]}})
         self.num_calls = len(calls)
         return rest, deltas
 

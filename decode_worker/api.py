@@ -18,7 +18,8 @@ from worker.state import WorkerState
 
 
 def generate_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))])
+    router = APIRouter(
+        dependencies=[Depends(require_internal_token(state.settings.internal_token))])
 
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> StreamingResponse:

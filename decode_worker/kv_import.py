@@ -25,7 +25,8 @@ class BlockImporter:
         prompt's blocks under its cache salt (kv_transfer/handle.py)."""
         s = state.settings
         try:
-            handle.verify(kvp, s.internal_token, prompt, state.core.hasher(prompt, cache_salt=cache_salt),
+            handle.verify(kvp, s.internal_token, prompt,
+                          state.core.hasher(prompt, cache_salt=cache_salt),
                           s.require_signed_handles)
         except handle.InvalidHandle as e:
             state.metrics.pull_fallbacks.labels("invalid_handle").inc()
@@ -43,13 +44,15 @@ class BlockImporter:
         try:
             if len(remote) < num_kv_blocks or not kvp.remote_host or kvp.remote_port is None:
                 raise TransferError(f"kv_transfer_params name {len(remote)} blocks and "
-                                    f"{kvp.remote_host}:{kvp.remote_port}; {num_kv_blocks} blocks needed")
+                                    f"{kvp.remote_host}:{kvp.remote_port}; "
+                                    f"{num_kv_blocks} blocks needed")
             peer = await connector.peer(kvp.remote_engine_id,
                                         f"http://{kvp.remote_host}:{kvp.remote_port}")
             if num_local >= num_kv_blocks:
                 await connector.notify(peer, remote_rid)
                 return True, 0
-            staged_at = (kvp.model_extra or {}).get("remote_staging_start")  # signed with the handle
+            # signed with the handle
+            staged_at = (kvp.model_extra or {}).get("remote_staging_start")
             slots = (list(range(staged_at + num_local, staged_at + num_kv_blocks))
                      if type(staged_at) is int else None)
             stats = await connector.fetch(peer, remote_rid, remote[num_local:num_kv_blocks],

@@ -29,7 +29,8 @@ class AsyncEngine(EngineClient):
     """`on_death(error)` runs on the event loop once, after the engine thread died of `error` and
     every waiter (streams and pending calls) has been failed with `EngineDeadError`."""
 
-    def __init__(self, engine: LLMEngine, on_events: Callable[[list[BlockEvent]], None] | None = None,
+    def __init__(self, engine: LLMEngine,
+                 on_events: Callable[[list[BlockEvent]], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
         super().__init__(engine.config.max_unread_tokens, engine.config.parked_timeout_s)
         self.engine = engine

@@ -81,8 +81,10 @@ def paged_attention(
         # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
         # blocks is 3-5x faster than advanced indexing of this strided view (bench/cpu_ops.py).
         flat = meta.decode_block_tables.view(-1)
-        k = _gather_blocks(kv_cache[:, 0], flat).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = _gather_blocks(kv_cache[:, 0], flat).view(nd, -1, num_kv_heads,
+                                                      head_dim).transpose(1, 2)
+        v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads,
+                                                      head_dim).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
         od = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -110,17 +112,21 @@ def prefill_attention(
             # No earlier context: attend to this step's keys directly, causal.
             k = k_new[s : s + n].transpose(0, 1).unsqueeze(0)
             v = v_new[s : s + n].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
+                                                enable_gqa=True)
         else:
-            k = _gather_blocks(kv_cache[:, 0], chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
-            v = _gather_blocks(kv_cache[:, 1], chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+            k = _gather_blocks(kv_cache[:, 0],
+                               chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+            v = _gather_blocks(kv_cache[:, 1],
+                               chunk.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
             k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
             v = v.transpose(0, 1).unsqueeze(0)
             # Query i sits at absolute position ctx - n + i and sees keys 0..ctx - n + i.
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             k_pos = torch.arange(ctx, device=q.device)[None, :]
             mask = (k_pos <= q_pos)[None, None]
-            op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale,
+                                                enable_gqa=True)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
 
 

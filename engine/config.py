@@ -39,7 +39,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -180,11 +181,13 @@ class EngineConfig:
         if not self.parked_timeout_s > 0:
             raise ValueError("parked_timeout_s must be > 0")
         if self.scheduling_policy not in ("fair", "fcfs"):
-            raise ValueError(f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}")
+            raise ValueError("scheduling_policy must be fair or fcfs, "
+                             f"got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):
-            raise ValueError(f"attention_backend must be sdpa or triton, got {self.attention_backend!r}")
+            raise ValueError("attention_backend must be sdpa or triton, "
+                             f"got {self.attention_backend!r}")
 
     @property
     def attention(self) -> str:
@@ -198,7 +201,8 @@ class EngineConfig:
         """Whether decode steps overlap the host (see `async_scheduling`)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.startswith("cuda") and self.attention == "triton" and not self.enforce_eager
+        return (self.device.startswith("cuda") and self.attention == "triton"
+                and not self.enforce_eager)
 
     @property
     def torch_dtype_name(self) -> str:

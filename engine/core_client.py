@@ -136,9 +136,10 @@ class ProcessEngine(EngineClient):
     def _view(self, info: dict, kv_path: str) -> CoreView:
         dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
         return CoreView(
-            model_id=info["model_id"], model_digest=info["model_digest"], folder=Path(info["folder"]),
-            block_size=info["block_size"], num_blocks=info["num_blocks"],
-            max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            model_id=info["model_id"], model_digest=info["model_digest"],
+            folder=Path(info["folder"]), block_size=info["block_size"],
+            num_blocks=info["num_blocks"], max_model_len=info["max_model_len"],
+            vocab_size=info["vocab_size"],
             kv_cache=map_kv_cache(kv_path, tuple(info["kv_shape"]), dtype),
             tokenizer=Tokenizer(Path(info["folder"])),
             hasher=BlockHasher(info["model_digest"], info["block_size"], self.config.hash_salt),

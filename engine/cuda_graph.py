@@ -91,8 +91,8 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_rows)
         return self.buckets[i] if i < len(self.buckets) and num_rows > 0 else None
 
-    def run(self, step: StepInputs,
-            decode_input_ids: torch.Tensor | None = None) -> torch.Tensor:  # -> [num_decodes, hidden]
+    def run(self, step: StepInputs, decode_input_ids: torch.Tensor | None = None
+            ) -> torch.Tensor:  # -> [num_decodes, hidden]
         """Run a decode-only step through its bucket's graph; `decode_input_ids` [num_decodes]
         (on the device) replace the step's input ids by a device-to-device copy. The view
         returned is valid until the next call."""

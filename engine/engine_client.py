@@ -30,7 +30,8 @@ class EngineClient:
     """`max_unread_tokens`, `parked_timeout_s`: when a request whose reader is behind is parked,
     and when it is aborted (engine/output_stream.py); None: never parked."""
 
-    def __init__(self, max_unread_tokens: int | None = None, parked_timeout_s: float = 30.0) -> None:
+    def __init__(self, max_unread_tokens: int | None = None,
+                 parked_timeout_s: float = 30.0) -> None:
         self._streams: dict[str, OutputStream] = {}
         self.max_unread_tokens = max_unread_tokens
         self.parked_timeout_s = parked_timeout_s

@@ -38,11 +38,11 @@ REMOTE_METHODS = frozenset({
 def describe(engine: LLMEngine) -> dict[str, Any]:
     """What the API process needs to know of the engine to serve without calling it."""
     return {
-        "model_id": engine.model_id, "model_digest": engine.model_digest, "folder": str(engine.folder),
-        "block_size": engine.block_size, "num_blocks": engine.num_blocks,
-        "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
-        "kv_shape": tuple(engine.kv_cache.shape), "kv_dtype": str(engine.kv_cache.dtype),
-        "stats": engine.stats(),
+        "model_id": engine.model_id, "model_digest": engine.model_digest,
+        "folder": str(engine.folder), "block_size": engine.block_size,
+        "num_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model_config.vocab_size, "kv_shape": tuple(engine.kv_cache.shape),
+        "kv_dtype": str(engine.kv_cache.dtype), "stats": engine.stats(),
     }
 
 
@@ -52,7 +52,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = log
     # The terminal's Ctrl-C reaches the whole process group: the API process decides when the
     # core stops (it sends None after draining), so the core ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s engine-core: %(message)s")
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - reported to the client, which raises it
@@ -132,4 +133,5 @@ def _send(conn: Connection, msg: tuple) -> None:
             raise
         # An exception that does not pickle still reaches the caller, as its text.
         error = msg[3]
-        conn.send(("result", msg[1], False, RuntimeError(f"{type(error).__name__}: {error}"), msg[4]))
+        conn.send(("result", msg[1], False,
+                   RuntimeError(f"{type(error).__name__}: {error}"), msg[4]))

@@ -30,7 +30,8 @@ def map_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
-def num_blocks_for_memory(kv_bytes: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def num_blocks_for_memory(kv_bytes: int, cfg: ModelConfig, block_size: int,
+                          dtype: torch.dtype) -> int:
     """How many blocks (every layer's K and V) fit in `kv_bytes`."""
     per_block = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                  * torch.tensor([], dtype=dtype).element_size())

@@ -24,10 +24,12 @@ class KVCacheManager:
         return self.pool.lookup(seq.block_hashes)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int]) -> bool:
-        computed = len(prefix_blocks) * self.block_size if prefix_blocks else seq.num_computed_tokens
+        computed = (len(prefix_blocks) * self.block_size if prefix_blocks
+                    else seq.num_computed_tokens)
         needed = self.num_blocks_for(computed + num_new_tokens)
         needed -= len(seq.block_table) + len(prefix_blocks)
-        return max(needed, 0) + self.pool.num_unreferenced(prefix_blocks) <= self.pool.num_free_blocks
+        return (max(needed, 0) + self.pool.num_unreferenced(prefix_blocks)
+                <= self.pool.num_free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens, first adopting `prefix_blocks` (a
@@ -40,7 +42,8 @@ class KVCacheManager:
             seq.block_table.extend(prefix_blocks)
             seq.num_computed_tokens = len(prefix_blocks) * self.block_size
             seq.num_cached_tokens = seq.num_computed_tokens
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        needed = (self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+                  - len(seq.block_table))
         if needed > 0:
             seq.block_table.extend(self.pool.allocate(needed))
         return True

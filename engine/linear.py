@@ -9,8 +9,8 @@ same matmul at 1.6-2.5x that speed for 2-16 rows and is not slower for prefill-s
 
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` holding the reordered weight;
 `LlamaForCausalLM.pack_weights` also packs a copy of a tied LM head (the embedding stays as it is
-for the lookup). Only for float32 on CPU with oneDNN present; elsewhere `packing_supported` is False and
-the model keeps its `nn.Linear`s.
+for the lookup). Only for float32 on CPU with oneDNN present; elsewhere `packing_supported` is False
+and the model keeps its `nn.Linear`s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _bucket(num_rows: int) -> int:
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class PackedLinear(nn.Module):
@@ -50,16 +51,19 @@ class PackedLinear(nn.Module):
         self.out_features = weight.shape[0]
         # Buffers, not parameters: the packed tensor is opaque and never trained or saved.
         self.register_buffer("packed_weight", _reorder(weight), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
         if num_rows > _MAX_ROWS:
-            return torch.cat([self.forward(x[i : i + _MAX_ROWS]) for i in range(0, num_rows, _MAX_ROWS)])
+            return torch.cat([self.forward(x[i : i + _MAX_ROWS])
+                              for i in range(0, num_rows, _MAX_ROWS)])
         padded = _bucket(num_rows)
         if padded != num_rows:
             x = F.pad(x, (0, 0, 0, padded - num_rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:num_rows]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
+                                                  "")[:num_rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"

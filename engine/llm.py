@@ -21,7 +21,8 @@ class LLM:
     """
 
     def __init__(self, model: str | EngineConfig, **engine_args: Any) -> None:
-        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **engine_args)
+        config = (model if isinstance(model, EngineConfig)
+                  else EngineConfig(model=model, **engine_args))
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

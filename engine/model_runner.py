@@ -151,8 +151,8 @@ class ModelRunner:
             hidden = hidden[index]
         return self.model.compute_logits(hidden), step.sample_rows
 
-    def _eager_triton(self, step: StepInputs,
-                      decode_input_ids: torch.Tensor | None = None) -> torch.Tensor:  # -> [T, hidden]
+    def _eager_triton(self, step: StepInputs, decode_input_ids: torch.Tensor | None = None
+                      ) -> torch.Tensor:  # -> [T, hidden]
         from engine.triton_attention import TritonAttentionMetadata
         from engine.triton_kernels import num_kv_splits
 
@@ -165,7 +165,8 @@ class ModelRunner:
             ids[:nd].copy_(decode_input_ids)
         meta = TritonAttentionMetadata(
             slot_mapping=slots, num_decode_tokens=nd, block_tables=decode_tables,
-            context_lens=lens, num_splits=num_kv_splits(nd, self.model.cfg.num_kv_heads, self.num_sms),
+            context_lens=lens,
+            num_splits=num_kv_splits(nd, self.model.cfg.num_kv_heads, self.num_sms),
             prefills=[PrefillChunk(c.query_start, c.num_query_tokens, c.context_len, t)
                       for c, t in zip(step.prefills, chunk_tables, strict=True)])
         return self.model(ids, pos, self.kv_cache, meta)

@@ -31,7 +31,8 @@ def model_dir(model_id: str, cache_dir: Path | None = None) -> Path:
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
-    """A model name (`tiny-random`, `smollm2-135m-instruct`) or a folder path -> a prepared folder."""
+    """A model name (`tiny-random`, `smollm2-135m-instruct`) or a folder path -> a prepared folder.
+    """
     from engine.tiny import TINY_ID, build_tiny_random
 
     path = Path(name).expanduser()
@@ -65,16 +66,19 @@ def find_smollm2_gguf() -> Path:
 
 
 def is_prepared(folder: Path) -> bool:
-    return all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    return all((folder / f).is_file()
+               for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
 # What a router needs of a model (no weights), and what a worker needs besides.
-TOKENIZER_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json"]
+TOKENIZER_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                      "chat_template.json"]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 
 
-def download_hf(repo: str, out: Path, revision: str | None = None, tokenizer_only: bool = False) -> Path:
+def download_hf(repo: str, out: Path, revision: str | None = None,
+                tokenizer_only: bool = False) -> Path:
     """A Hugging Face repository's model files into `out` (huggingface_hub reads HF_ENDPOINT
     and HF_TOKEN itself); raises FileNotFoundError if what a worker or router needs is missing."""
     from huggingface_hub import snapshot_download
@@ -90,7 +94,8 @@ def download_hf(repo: str, out: Path, revision: str | None = None, tokenizer_onl
     return out
 
 
-def prepare_smollm2(out: Path | None = None, cache_dir: Path | None = None, force: bool = False) -> Path:
+def prepare_smollm2(out: Path | None = None, cache_dir: Path | None = None,
+                    force: bool = False) -> Path:
     """Convert SmolLM2-135M-Instruct to an HF folder; returns the folder. Idempotent."""
     return convert_gguf(find_smollm2_gguf(), out or model_dir(SMOLLM2_ID, cache_dir), force)
 

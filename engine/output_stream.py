@@ -54,7 +54,8 @@ class OutputStream:
                 and self.num_unread_tokens > self._max_unread):
             self.parked = True
             self._post("park_request", self.request_id, True)
-            self._expiry = asyncio.get_running_loop().call_later(self._parked_timeout_s, self._expire)
+            self._expiry = asyncio.get_running_loop().call_later(
+                self._parked_timeout_s, self._expire)
 
     async def get(self) -> RequestOutput | BaseException:
         """The next item for the reader, resuming the request once it has caught up."""

@@ -70,7 +70,8 @@ class Sampler:
         else:
             tokens = torch.zeros(num_rows, dtype=torch.long, device=logits.device)
             if len(rows) < num_rows:
-                greedy_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=logits.device)
+                greedy_rows = torch.tensor([i for i, g in enumerate(greedy) if g],
+                                           device=logits.device)
                 tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
             tokens[torch.tensor(rows, device=logits.device)] = self._sample(logits, seqs, rows)
 
@@ -126,7 +127,8 @@ class Sampler:
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
                                                device=logits.device)
             if len(seqs[i].output_token_ids) < p.min_tokens:
-                banned = [t for t in (*seqs[i].eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
+                banned = [t for t in (*seqs[i].eos_token_ids, *p.stop_token_ids)
+                          if t < logits.shape[1]]
                 logits[i, banned] = float("-inf")
         return logits
 

@@ -47,10 +47,12 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, int | float) and math.isfinite(value), name,
                    f"must be a finite number, got {value!r}")
-        _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
+        _check(0.0 <= self.temperature <= 100.0, "temperature",
+               f"must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
-            self.top_k is None or (isinstance(self.top_k, int) and 1 <= self.top_k <= bounds.MAX_TOP_K),
+            self.top_k is None
+            or (isinstance(self.top_k, int) and 1 <= self.top_k <= bounds.MAX_TOP_K),
             "top_k",
             f"must be None or an integer in [1, {bounds.MAX_TOP_K}], got {self.top_k}",
         )
@@ -72,18 +74,21 @@ class SamplingParams:
             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
         _check(len(self.stop) <= bounds.MAX_STOP_STRINGS
-               and all(isinstance(s, str) and 0 < len(s) <= bounds.MAX_STOP_CHARS for s in self.stop),
+               and all(isinstance(s, str) and 0 < len(s) <= bounds.MAX_STOP_CHARS
+                       for s in self.stop),
                "stop", f"must be at most {bounds.MAX_STOP_STRINGS} non-empty strings of at most "
                f"{bounds.MAX_STOP_CHARS} characters")
         _check(len(self.stop_token_ids) <= bounds.MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"must be at most {bounds.MAX_STOP_TOKEN_IDS} ids")
-        _check(all(isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID for t in self.stop_token_ids),
+        _check(all(isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID
+                   for t in self.stop_token_ids),
                "stop_token_ids", f"must be integers in [0, {bounds.MAX_TOKEN_ID}]")
         bias = self.logit_bias or {}
         _check(len(bias) <= bounds.MAX_LOGIT_BIAS and all(
             isinstance(t, int) and 0 <= t <= bounds.MAX_TOKEN_ID and isinstance(v, int | float)
             and math.isfinite(v) and -100.0 <= v <= 100.0 for t, v in bias.items()),
-            "logit_bias", f"must map at most {bounds.MAX_LOGIT_BIAS} token ids to biases in [-100, 100]")
+            "logit_bias",
+            f"must map at most {bounds.MAX_LOGIT_BIAS} token ids to biases in [-100, 100]")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens}")
 
@@ -117,14 +122,17 @@ def check_request(prompt: list[int], output: list[int], params: SamplingParams, 
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     if len(output) >= params.max_tokens:
-        raise ValueError(f"{len(output)} output tokens given already reach max_tokens={params.max_tokens}")
+        raise ValueError(f"{len(output)} output tokens given already reach "
+                         f"max_tokens={params.max_tokens}")
     if any(not (0 <= t < vocab_size) for t in prompt + output):
         raise ValueError(f"token ids must be in [0, {vocab_size})")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise ValueError(f"invalid sampling parameter logit_bias: token ids must be in [0, {vocab_size})")
+        raise ValueError("invalid sampling parameter logit_bias: "
+                         f"token ids must be in [0, {vocab_size})")
     if params.top_k is not None and params.top_k > vocab_size:
         raise ValueError(f"invalid sampling parameter top_k: must be at most the vocabulary "
                          f"size {vocab_size}, got {params.top_k}")
     total = len(prompt) + len(output)
     if total >= max_model_len:
-        raise ValueError(f"prompt has {total} tokens; this model's context is {max_model_len} tokens")
+        raise ValueError(f"prompt has {total} tokens; this model's context is "
+                         f"{max_model_len} tokens")

@@ -53,7 +53,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None, max_long_prefills: int = 1) -> None:
+                 long_prefill_token_threshold: int | None = None,
+                 max_long_prefills: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,9 +85,10 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Queue lengths, and the tokens the waiting sequences have yet to compute (a copy of the
         queue is summed: another thread may read this while the engine's thread steps)."""
-        return {"running": len(self.running), "waiting": len(self.waiting), "parked": len(self.parked),
-                "preemptions": self.num_preemptions,
-                "waiting_tokens": sum(s.num_tokens - s.num_computed_tokens for s in list(self.waiting))}
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "parked": len(self.parked), "preemptions": self.num_preemptions,
+                "waiting_tokens": sum(s.num_tokens - s.num_computed_tokens
+                                      for s in list(self.waiting))}
 
     def park(self, seq: Sequence) -> bool:
         """Take a waiting or running `seq` out of scheduling, keeping its blocks; False if it is
@@ -129,7 +131,8 @@ class Scheduler:
                 return False
         return True
 
-    def allocate_fairly(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+    def allocate_fairly(self, seq: Sequence, num_new_tokens: int,
+                        prefix_blocks: list[int] = ()) -> bool:
         """`allocate` for a sequence outside the batch (an import, between steps): when blocks
         are short, running sequences of a client that runs at least two more than `seq`'s give
         theirs (engine/fair_share.py), as they would to a waiting sequence."""

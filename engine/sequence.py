@@ -47,7 +47,8 @@ class Sequence:
     # Prefill-only requests stop after their first token but keep their blocks (for export).
     hold_blocks: bool = False
     generator: torch.Generator | None = None
-    matcher: Any = None  # llguidance's matcher of a structured-output request (structured_output.py)
+    # llguidance's matcher of a structured-output request (structured_output.py)
+    matcher: Any = None
     text_stream: TextStream | None = None
     text: str = ""
     logprobs: list[Logprob] | None = None

@@ -6,8 +6,8 @@ Each constrained sequence has a matcher that has consumed every output token so 
 request that arrives with output already sampled elsewhere (the decode side of P/D, a resume
 after a failed worker) continues under the grammar from where it stands. Grammars are compiled
 once per spec (an LRU); a matcher is cheap. Masks are computed for the constrained rows of a step
-only, into one bitmask array, and applied to the logits before sampling: a disallowed token gets -inf, so greedy,
-seeded and top-k/p sampling all stay inside the grammar.
+only, into one bitmask array, and applied to the logits before sampling: a disallowed token gets
+-inf, so greedy, seeded and top-k/p sampling all stay inside the grammar.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ class StructuredOutputs:
         import llguidance
 
         s = seq.params.structured
-        matcher = llguidance.LLMatcher(self._tokenizer, compile_grammar(s.kind, s.spec), log_level=0,
-                                       limits=parser_limits())
+        matcher = llguidance.LLMatcher(self._tokenizer, compile_grammar(s.kind, s.spec),
+                                       log_level=0, limits=parser_limits())
         if seq.output_token_ids and not matcher.consume_tokens(seq.output_token_ids):
-            raise ValueError("the output tokens given do not follow the request's structured output "
-                             f"constraint: {matcher.get_error()}")
+            raise ValueError("the output tokens given do not follow the request's structured "
+                             f"output constraint: {matcher.get_error()}")
         seq.matcher = matcher
 
     def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

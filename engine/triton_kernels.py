@@ -105,7 +105,8 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         blocks = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        tok = blocks * stride_cb + (offs_n % PAGE_SIZE) * stride_ct + kv_head * stride_ch  # [BLOCK_N]
+        # [BLOCK_N]
+        tok = blocks * stride_cb + (offs_n % PAGE_SIZE) * stride_ct + kv_head * stride_ch
         k = tl.load(cache_ptr + tok[None, :] + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]

@@ -78,7 +78,8 @@ def _target(name: str, shard_rows: dict[str, list[int]]) -> tuple[str, tuple[int
 
 def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
     if tuple(want) != tuple(got):
-        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(got)} != model shape {tuple(want)}")
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(got)} != model "
+                         f"shape {tuple(want)}")
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
@@ -105,7 +106,8 @@ def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch
     """The model of `folder` on `device`, weights loaded (or drawn at random with
     `load_format="dummy"`), matmuls packed where supported."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     model = model.to(dtype).to_empty(device=device)

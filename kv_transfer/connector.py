@@ -88,7 +88,8 @@ class KVConnector:
 
     # ---- sending side -------------------------------------------------------------------------
 
-    def export(self, request_id: str, block_ids: list[int], lease_seconds: float | None = None) -> dict:
+    def export(self, request_id: str, block_ids: list[int],
+               lease_seconds: float | None = None) -> dict:
         """Pin `block_ids` for a receiver; returns the transfer fields of kv_transfer_params."""
         self.layout.check_block_ids(block_ids, "exported")
         expires_at = self.leases.grant(request_id, block_ids, lease_seconds)
@@ -212,11 +213,13 @@ class KVConnector:
                 async for chunk in resp.aiter_bytes():
                     body += chunk
                     if len(body) > MAX_METADATA_BYTES:
-                        raise TransferError(f"KV metadata from {url} exceeds {MAX_METADATA_BYTES} bytes")
+                        raise TransferError(f"KV metadata from {url} exceeds "
+                                            f"{MAX_METADATA_BYTES} bytes")
         except httpx.HTTPError as e:
             raise TransferError(f"could not reach {url} for KV metadata: {e}") from e
         if resp.status_code != 200:
-            raise TransferError(f"KV metadata from {url}: HTTP {resp.status_code} {bytes(body[:200])!r}")
+            raise TransferError(f"KV metadata from {url}: HTTP {resp.status_code} "
+                                f"{bytes(body[:200])!r}")
         try:
             return PeerMetadata.model_validate_json(bytes(body))
         except ValidationError as e:
@@ -250,10 +253,11 @@ class KVConnector:
         label = self.transport.label
         try:
             if staged_slots is not None and getattr(self.transport, "stage", None) is not None:
-                stats = await self.transport.pull(peer, request_id, remote_block_ids, local_block_ids,
-                                                  staged_slots=staged_slots)
+                stats = await self.transport.pull(peer, request_id, remote_block_ids,
+                                                  local_block_ids, staged_slots=staged_slots)
             else:
-                stats = await self.transport.pull(peer, request_id, remote_block_ids, local_block_ids)
+                stats = await self.transport.pull(peer, request_id, remote_block_ids,
+                                                  local_block_ids)
         except TransferError as e:
             if self.metrics:
                 reason = "timeout" if isinstance(e, TransferTimeout) else "error"

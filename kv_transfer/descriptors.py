@@ -56,7 +56,8 @@ def descriptor_arrays(
     return src, dst
 
 
-def block_descriptors(layout: KVLayout, base: int, num_blocks: int, device_id: int = 0) -> np.ndarray:
+def block_descriptors(layout: KVLayout, base: int, num_blocks: int,
+                      device_id: int = 0) -> np.ndarray:
     """Nx3 (address, length, device), one row per block of a region: a prepared list that
     pulls index by block id (NIXL merges contiguous rows of a pull itself)."""
     block = layout.bytes_per_block

@@ -43,7 +43,8 @@ def gather_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor,
     return torch.index_select(cache_, 0, block_ids, out=out)
 
 
-def scatter_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+def scatter_blocks_ref(cache_: torch.Tensor, block_ids: torch.Tensor,
+                       staging: torch.Tensor) -> None:
     cache_.index_copy_(0, block_ids, staging)
 
 
@@ -152,10 +153,12 @@ def gather_blocks(cache_: torch.Tensor, block_ids, use_kernel: bool | None = Non
     if not (_use_kernel(cache_) if use_kernel is None else use_kernel):
         return gather_blocks_ref(cache_, ids, out)
     if out is None:
-        out = torch.empty((ids.numel(), *cache_.shape[1:]), dtype=cache_.dtype, device=cache_.device)
+        out = torch.empty((ids.numel(), *cache_.shape[1:]), dtype=cache_.dtype,
+                          device=cache_.device)
     block_bytes = cache_[0].numel() * cache_.element_size()
-    _check(_lib().tandem_gather_blocks(cache_.data_ptr(), out.data_ptr(), ids.data_ptr(), ids.numel(),
-                                       cache_.shape[0], block_bytes, chunk_bytes, _stream(cache_)),
+    _check(_lib().tandem_gather_blocks(cache_.data_ptr(), out.data_ptr(), ids.data_ptr(),
+                                       ids.numel(), cache_.shape[0], block_bytes, chunk_bytes,
+                                       _stream(cache_)),
            "gather")
     return out
 
@@ -230,5 +233,6 @@ def fp8_unpack(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     runs = scales.numel()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     _check(_lib().tandem_fp8_unpack(q.data_ptr(), scales.data_ptr(), out.data_ptr(), runs,
-                                    q.numel() // runs, _DTYPE_CODES[dtype], _stream(q)), "fp8_unpack")
+                                    q.numel() // runs, _DTYPE_CODES[dtype], _stream(q)),
+           "fp8_unpack")
     return out

@@ -76,7 +76,8 @@ class KVLayout(BaseModel):
         return self.block_offset(block_id) + (layer * 2 + kv) * self.run_bytes
 
     def differences(self, other: KVLayout) -> list[str]:
-        """Human-readable list of the fields that make `other` incompatible (block count may differ)."""
+        """Human-readable list of the fields that make `other` incompatible (block count may
+        differ)."""
         return [f"{f}: {getattr(self, f)!r} here vs {getattr(other, f)!r} at the peer"
                 for f in _COMPARED if getattr(self, f) != getattr(other, f)]
 

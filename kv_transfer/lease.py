@@ -54,7 +54,8 @@ class LeaseTable:
             raise ValueError("lease length must be positive and finite")
         if self.max_seconds is not None and seconds > self.max_seconds:
             # Pinned blocks are capacity taken from everyone else: no caller pins them for long.
-            raise ValueError(f"lease of {seconds} s exceeds this worker's cap of {self.max_seconds} s")
+            raise ValueError(f"lease of {seconds} s exceeds this worker's cap of "
+                             f"{self.max_seconds} s")
         self._leases[request_id] = Lease(request_id, list(block_ids), self._clock() + seconds)
         self.num_granted += 1
         return time.time() + seconds

@@ -1,4 +1,5 @@
-"""Prometheus metrics of KV transfer (docs/contract.md "Observability"), on a registry the service owns."""
+"""Prometheus metrics of KV transfer (docs/contract.md "Observability"), on a registry the service
+owns."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def make_agent(nixl, name: str):
     base = getattr(bind, "nixlAgentConfig", None)
     if base is None:
         log.warning("nixl: cannot set the progress thread's wait; running without the thread")
-        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False,
+                                                            backends=["UCX"]))
 
     class WaitingConfig(base):
         def __setattr__(self, key, value):
@@ -59,7 +60,8 @@ def make_agent(nixl, name: str):
 
     bind.nixlAgentConfig = WaitingConfig  # only while this agent is made
     try:
-        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True,
+                                                            backends=["UCX"]))
     finally:
         bind.nixlAgentConfig = base
 

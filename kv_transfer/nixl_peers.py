@@ -71,7 +71,8 @@ class NixlPeers:
         try:
             params = NixlParams.model_validate(peer.params)
         except ValidationError as e:
-            raise TransferError(f"invalid NIXL metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
+            raise TransferError(f"invalid NIXL metadata from {peer.engine_id}: "
+                                f"{e.errors()[0]['msg']}") from e
         try:
             md = base64.b64decode(params.agent_metadata, validate=True)
         except binascii.Error as e:
@@ -88,7 +89,8 @@ class NixlPeers:
             if prepare and peer.layout.num_blocks <= MAX_PREPPED_BLOCKS:
                 known.blocks = self._prep(name, params.base_address, peer.layout.num_blocks, params)
                 if params.staging_num_blocks and params.staging_address:
-                    known.slots = self._prep(name, params.staging_address, params.staging_num_blocks, params)
+                    known.slots = self._prep(name, params.staging_address,
+                                             params.staging_num_blocks, params)
         except Exception:
             self.forget(peer.engine_id)
             raise
@@ -96,7 +98,8 @@ class NixlPeers:
 
     def _prep(self, name: str, base: int, num_blocks: int, params: NixlParams):
         return self._agent.prep_xfer_dlist(
-            name, block_descriptors(self.layout, base, num_blocks, params.device_id), params.mem_type)
+            name, block_descriptors(self.layout, base, num_blocks, params.device_id),
+            params.mem_type)
 
     def forget(self, engine_id: str) -> None:
         known = self._peers.pop(engine_id, None)

@@ -5,7 +5,8 @@ its settings for VRAM are decided at start (ucx_config.py); the label names the 
 
 A pull is planned (pull_plan.py): one descriptor per run of blocks, or through staging slots
 (staging.py) that the sender gathers an export into and/or the receiver READs into and scatters
-from with the CUDA kernel. Per-peer work (validation, prepared lists) is done once (nixl_peers.py).
+from with the CUDA kernel. Per-peer work (validation, prepared lists) is done once (nixl_peers.py);
+this process's prepared lists, and the READ handles built from both, are in nixl_reads.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from common.background import BackgroundErrors
 from kv_transfer import kernels, pull_plan, ucx_config
-from kv_transfer.descriptors import block_descriptors, coalesce, descriptor_arrays
 from kv_transfer.layout import BlockRangeError, KVLayout
 from kv_transfer.netdev import ucx_net_devices
 from kv_transfer.nixl_agent import (
@@ -34,12 +34,14 @@ from kv_transfer.nixl_agent import (
     nixl_available,  # noqa: F401 - imported from here
 )
 from kv_transfer.nixl_peers import MAX_PREPPED_BLOCKS, NixlPeer, NixlPeers
+from kv_transfer.nixl_reads import LocalLists
 from kv_transfer.pull_plan import PullPlan, plan_pull
 from kv_transfer.side_stream import SideStream
 from kv_transfer.staging import StagingPool
 from kv_transfer.transport import PeerMetadata, PullStats, TransferError, TransportConfig
 
 log = logging.getLogger(__name__)
+
 
 class NixlTransport:
     name = "nixl"
@@ -51,14 +53,14 @@ class NixlTransport:
         self._agent = None
         self._regs: list[object] = []
         self._peers: NixlPeers | None = None  # engine id -> its agent, params, prepared lists
-        self._local_blocks = None  # this cache's prepared list, one descriptor per block
-        self._local_slots = None  # this staging region's
+        self._lists: LocalLists | None = None  # this cache's and staging region's (after start)
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self._label = "ucx"
         self._ucx = ucx_config.UcxEnvironment(os.environ)
         self.costs = pull_plan.COSTS["cuda" if kv_cache.is_cuda else "cpu"]
-        self.pipeline_part_bytes = pull_plan.PIPELINE_PART_BYTES  # READ parts of a pull into local slots
+        # READ parts of a pull into local slots
+        self.pipeline_part_bytes = pull_plan.PIPELINE_PART_BYTES
         self.staging: StagingPool | None = None
         self._side: SideStream | None = None
         self._pull_ids = itertools.count()  # owners of a pull's local staging slots
@@ -76,32 +78,29 @@ class NixlTransport:
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend")
         self._regs.append(self._agent.register_memory(self.kv_cache))
+        self._lists = LocalLists(self._agent, self.layout, self.kv_cache, self._mem_type,
+                                 self._device_id)
         if self.layout.num_blocks <= MAX_PREPPED_BLOCKS:
-            self._local_blocks = self._prep_local(self.kv_cache, self.layout.num_blocks)
-        num_slots = min(self.config.staging_bytes // self.layout.bytes_per_block, self.layout.num_blocks)
+            self._lists.blocks = self._lists.prep(self.kv_cache, self.layout.num_blocks)
+        num_slots = min(self.config.staging_bytes // self.layout.bytes_per_block,
+                        self.layout.num_blocks)
         # On CPU caches `auto` never stages (a copy costs what the transfer does): no pool.
-        wanted = self.config.staging == "always" or (self.config.staging == "auto" and self.kv_cache.is_cuda)
-        if wanted and num_slots >= 1 and self._local_blocks is not None:
+        wanted = (self.config.staging == "always"
+                  or (self.config.staging == "auto" and self.kv_cache.is_cuda))
+        if wanted and num_slots >= 1 and self._lists.blocks is not None:
             self.staging = StagingPool(self.kv_cache, num_slots)
             self._regs.append(self._agent.register_memory(self.staging.buffer))
-            self._local_slots = self._prep_local(self.staging.buffer, num_slots)
+            self._lists.slots = self._lists.prep(self.staging.buffer, num_slots)
             self._side = SideStream(self.kv_cache.device)
         log.info("nixl: registered %.1f MiB of %s KV cache (+%d staging slots, %s) as agent %s",
-                 self.layout.region_bytes / 2**20, self._mem_type, num_slots if self.staging is not None else 0,
-                 self.config.staging, self.config.engine_id)
-
-    def _prep_local(self, region: torch.Tensor, num_blocks: int):
-        return self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", block_descriptors(self.layout, region.data_ptr(), num_blocks,
-                                                 self._device_id), self._mem_type)
+                 self.layout.region_bytes / 2**20, self._mem_type,
+                 num_slots if self.staging is not None else 0, self.config.staging,
+                 self.config.engine_id)
 
     async def close(self) -> None:
         if self._agent is not None:
             self._peers.clear()
-            for prepped in (self._local_blocks, self._local_slots):
-                if prepped is not None:
-                    self._agent.release_dlist_handle(prepped)
-            self._local_blocks = self._local_slots = None
+            self._lists.release()
             for reg in self._regs:
                 self._agent.deregister_memory(reg)
             self._regs.clear()
@@ -139,8 +138,8 @@ class NixlTransport:
     def stage(self, request_id: str, block_ids: list[int]) -> int | None:
         """Gather an export's blocks into staging slots when the plan says it pays; returns the
         first slot (the blocks follow in order) or None (no staging: read where they are)."""
-        if self.staging is None or not pull_plan.stage_at_export(block_ids, self.layout.bytes_per_block,
-                                                       self.costs, self.config.staging):
+        if self.staging is None or not pull_plan.stage_at_export(
+                block_ids, self.layout.bytes_per_block, self.costs, self.config.staging):
             return None
         return self.staging.stage(request_id, self.kv_cache, block_ids, self._side)
 
@@ -150,7 +149,7 @@ class NixlTransport:
     # ---- receiving side ---------------------------------------------------------------------
 
     def _peer(self, peer: PeerMetadata) -> NixlPeer:
-        return self._peers.get(peer, self._local_blocks is not None)
+        return self._peers.get(peer, self._lists.blocks is not None)
 
     def forget_peer(self, engine_id: str) -> None:
         if self._peers is not None:
@@ -163,7 +162,7 @@ class NixlTransport:
         known = self._peers.known(peer.engine_id)
         prepped = known is not None and known.blocks is not None
         slots = staged_slots if prepped and known.slots is not None else None
-        free = (self.staging is not None and self._local_slots is not None and prepped
+        free = (self.staging is not None and self._lists.slots is not None and prepped
                 and len(remote_block_ids) <= self.staging.num_slots - self.staging.num_leased_slots)
         return plan_pull(remote_block_ids, local_block_ids, self.layout.bytes_per_block, self.costs,
                          self.config.staging, slots, free)
@@ -189,13 +188,16 @@ class NixlTransport:
             if plan.stages_locally:
                 local_lease = self.staging.lease(f"pull:{next(self._pull_ids)}", len(remote))
                 if local_lease is None:  # taken meanwhile
-                    plan = plan_pull(remote, local, self.layout.bytes_per_block, self.costs, "never")
+                    plan = plan_pull(remote, local, self.layout.bytes_per_block,
+                                     self.costs, "never")
             parts = ([(0, len(remote))] if local_lease is None else
-                     pull_plan.pipeline_parts(len(remote), self.layout.bytes_per_block, self.pipeline_part_bytes))
+                     pull_plan.pipeline_parts(len(remote), self.layout.bytes_per_block,
+                                              self.pipeline_part_bytes))
             for first, count in parts:
                 end = first + count
-                handles.append(self._make_read(known, plan, remote[first:end], local[first:end],
-                                               None if slots is None else slots[first:end], local_lease, first))
+                handles.append(self._lists.read(known, plan, remote[first:end], local[first:end],
+                                                None if slots is None else slots[first:end],
+                                                local_lease, first))
             marks.append(time.perf_counter())
             states = [self._agent.transfer(handle) for handle in handles]  # all posted at once
             deadline = time.monotonic() + self.config.pull_timeout_s
@@ -212,8 +214,8 @@ class NixlTransport:
                 await SideStream.wait(self._side.record())
             marks.append(time.perf_counter())
             # Blocks here: the notification (it only frees the sender's lease) goes next turn.
-            asyncio.get_running_loop().call_soon(self._notify_done, known.agent_name, peer.engine_id,
-                                                 NOTIF_PREFIX + request_id.encode())
+            asyncio.get_running_loop().call_soon(self._notify_done, known.agent_name,
+                                                 peer.engine_id, NOTIF_PREFIX + request_id.encode())
             marks.append(time.perf_counter())
         except (TransferError, BlockRangeError, ValueError):
             self.forget_peer(peer.engine_id)
@@ -242,26 +244,6 @@ class NixlTransport:
             transport_label=self._label,
             extra={"plan": plan.kind, "phases_us": phases},
         )
-
-    def _make_read(self, known: NixlPeer, plan: PullPlan, remote: np.ndarray, local: np.ndarray,
-                   slots: np.ndarray | None, local_lease, offset: int = 0):
-        """The READ handle of `plan` (no notification: pull sends it after): indices into
-        prepared lists where there are (NIXL merges consecutive rows into one descriptor)."""
-        if known.blocks is None:  # too many blocks to prepare: this pull's own list
-            runs = coalesce(remote.tolist(), local.tolist())
-            src, dst = descriptor_arrays(self.layout, known.params.base_address, self.kv_cache.data_ptr(),
-                                         runs, known.params.device_id, self._device_id)
-            return self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(dst, self._mem_type),
-                self._agent.get_xfer_descs(src, known.params.mem_type), known.agent_name, b"")
-        remote_list, remote_idx = (known.slots, slots) if plan.reads_staged_source else (known.blocks, remote)
-        if local_lease is not None:
-            local_list = self._local_slots
-            start = local_lease.start + offset
-            local_idx = np.arange(start, start + len(remote), dtype=np.int32)
-        else:
-            local_list, local_idx = self._local_blocks, local
-        return self._agent.make_prepped_xfer("READ", local_list, local_idx, remote_list, remote_idx, b"")
 
     def _notify_done(self, agent_name: str, engine_id: str, message: bytes) -> None:
         if self._agent is None:
@@ -296,4 +278,5 @@ class NixlTransport:
                 log.info("nixl: UCX chose %s for remote reads from %s", lane, engine_id)
 
     def completed(self) -> list[str]:
-        return [] if self._agent is None else done_request_ids(self._agent.get_new_notifs(), self.errors)
+        return ([] if self._agent is None
+                else done_request_ids(self._agent.get_new_notifs(), self.errors))

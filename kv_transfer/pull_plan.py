@@ -79,7 +79,8 @@ def plan_pull(remote_block_ids: list[int], local_block_ids: list[int], block_byt
     if n == 1 and mode == "auto":  # one block is one descriptor: nothing to plan (~10 us saved)
         return PullPlan("direct", 1, costs.seconds(1, block_bytes, 0))
     nbytes = n * block_bytes
-    options: list[tuple[PlanKind, int, int]] = [("direct", count_runs(remote_block_ids, local_block_ids), 0)]
+    options: list[tuple[PlanKind, int, int]] = [
+        ("direct", count_runs(remote_block_ids, local_block_ids), 0)]
     if mode != "never":
         if staged_slots is not None:
             options.append(("staged_source", count_runs(staged_slots, local_block_ids), 0))

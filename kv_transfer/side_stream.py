@@ -25,7 +25,8 @@ class SideStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __enter__(self):
-        self._ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        self._ctx = (torch.cuda.stream(self.stream) if self.stream is not None
+                     else contextlib.nullcontext())
         self._ctx.__enter__()
         return self
 

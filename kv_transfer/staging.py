@@ -32,7 +32,8 @@ class StagingPool:
         if num_slots < 1:
             raise ValueError("a staging pool needs at least one slot")
         # [num_slots, L, 2, BS, H, D]: a slot holds one block, in the cache's dtype and device.
-        self.buffer = torch.empty((num_slots, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        self.buffer = torch.empty((num_slots, *cache.shape[1:]), dtype=cache.dtype,
+                                  device=cache.device)
         self.num_slots = num_slots
         self._free: list[tuple[int, int]] = [(0, num_slots)]  # sorted (start, length), merged
         self._leases: dict[str, StagingLease] = {}
@@ -89,7 +90,8 @@ class StagingPool:
         """The lease's slots: [num_blocks, L, 2, BS, H, D], contiguous."""
         return self.buffer[lease.start: lease.start + lease.num_blocks]
 
-    def stage(self, owner: str, cache: torch.Tensor, block_ids: list[int], side: SideStream) -> int | None:
+    def stage(self, owner: str, cache: torch.Tensor, block_ids: list[int],
+              side: SideStream) -> int | None:
         """Lease slots for `owner` and gather `block_ids` of `cache` into them (on `side`, waited
         for: a READ may come at once); the first slot, or None when no range is free. The slots
         are given back if the gather fails."""

@@ -110,7 +110,8 @@ class SendUnits:
         self.per_unit = blocks_per_unit(layout, fp8, chunk_bytes)
         self.units = units(len(block_ids), self.per_unit)
         self.buffers = buffers
-        self._bufs = [buffers.acquire(self.per_unit * self.rec) for _ in range(min(2, len(self.units)))]
+        self._bufs = [buffers.acquire(self.per_unit * self.rec)
+                      for _ in range(min(2, len(self.units)))]
         self._events: list = [None, None]
 
     @property
@@ -150,13 +151,15 @@ class RecvUnits:
 
     def __init__(self, cache: torch.Tensor, local_block_ids: list[int], layout: KVLayout, fp8: bool,
                  chunk_bytes: int, buffers: HostBuffers, side: SideStream) -> None:
-        self.cache, self.local_block_ids, self.layout, self.fp8, self.side = cache, local_block_ids, layout, fp8, side
+        self.cache, self.local_block_ids, self.layout = cache, local_block_ids, layout
+        self.fp8, self.side = fp8, side
         self.rec = record_bytes(layout, fp8)
         self.per_unit = blocks_per_unit(layout, fp8, chunk_bytes)
         self.units = units(len(local_block_ids), self.per_unit)
         self.num_bytes = len(local_block_ids) * self.rec
         self.buffers = buffers
-        self._bufs = [buffers.acquire(self.per_unit * self.rec) for _ in range(min(2, len(self.units)))]
+        self._bufs = [buffers.acquire(self.per_unit * self.rec)
+                      for _ in range(min(2, len(self.units)))]
         self._events: list = [None, None]
         self._unit_bytes = self.per_unit * self.rec
 

@@ -96,7 +96,8 @@ class TcpTransport:
         try:
             params = wire.TcpParams.model_validate(peer.params)
         except ValidationError as e:
-            raise TransferError(f"invalid tcp metadata from {peer.engine_id}: {e.errors()[0]['msg']}") from e
+            raise TransferError(f"invalid tcp metadata from {peer.engine_id}: "
+                                f"{e.errors()[0]['msg']}") from e
         return params.host, params.port
 
     async def _open(self, peer: PeerMetadata) -> SocketStream:
@@ -143,8 +144,8 @@ class TcpTransport:
         except (OSError, asyncio.IncompleteReadError) as e:
             raise TransferError(f"tcp pull from {peer.engine_id} failed: {e}") from e
 
-    async def _recv_staged(self, conn: SocketStream, resp: wire.Accepted, local_block_ids: list[int],
-                           fp8: bool) -> int:
+    async def _recv_staged(self, conn: SocketStream, resp: wire.Accepted,
+                           local_block_ids: list[int], fp8: bool) -> int:
         recv = RecvUnits(self.kv_cache, local_block_ids, self.layout, fp8, self.config.chunk_bytes,
                          self._buffers, self._side)
         try:

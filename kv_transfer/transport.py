@@ -68,7 +68,8 @@ class PullStats:
 class Transport(Protocol):
     name: str
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, config: TransportConfig) -> None: ...
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout,
+                 config: TransportConfig) -> None: ...
 
     async def start(self) -> None:
         """Register memory / open listeners."""

@@ -71,7 +71,8 @@ def decide(environ: Mapping[str, str], net_devices: str | None, vram: bool,
         want("UCX_PROTO_INFO", "y")
     elif log_file is None and "UCX_LOG_FILE" in environ:
         kept["UCX_LOG_FILE"] = environ["UCX_LOG_FILE"]
-        log_file = environ["UCX_LOG_FILE"] if environ.get("UCX_PROTO_INFO", "n") in ("y", "yes", "1", "on") else None
+        log_file = (environ["UCX_LOG_FILE"]
+                    if environ.get("UCX_PROTO_INFO", "n") in ("y", "yes", "1", "on") else None)
     return UcxSettings(env=env, kept=kept, log_file=log_file)
 
 

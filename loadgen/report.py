@@ -55,10 +55,12 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def counter_delta(before: dict, after: dict, prefix: str) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix) and not k.endswith("_created")}
+    return {k: after[k] - before.get(k, 0.0) for k in after
+            if k.startswith(prefix) and not k.endswith("_created")}
 
 
-def summarize(records: list[RequestRecord], wall_s: float, slo: SLO, before: dict, after: dict) -> dict:
+def summarize(records: list[RequestRecord], wall_s: float, slo: SLO, before: dict,
+              after: dict) -> dict:
     ok = [r for r in records if r.error is None]
     itl = [x for r in ok for x in r.itl_s]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo.ttft_s
@@ -81,12 +83,12 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: SLO, before: dic
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         # First token as the router saw it (the client's TTFT waits for the first visible text).
         "server_ttft_s": percentiles([r.server_ttft_s for r in ok if r.server_ttft_s is not None]),
-        "itl_s": percentiles(itl), "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
         "goodput_requests_per_s": len(good) / wall_s if wall_s else 0.0,
         "goodput_fraction": len(good) / len(records) if records else 0.0,
-        "prefix_hit_ratio": hits / prompt if prompt else None,
-        "route_plans": plans,
+        "prefix_hit_ratio": hits / prompt if prompt else None, "route_plans": plans,
     }
 
 
@@ -94,17 +96,19 @@ def markdown(summary: dict, title: str) -> str:
     def ms(d: dict, k: str) -> str:
         return "–" if d[k] is None else f"{d[k] * 1e3:.1f}"
 
-    lines = [f"## {title}", "", f"{summary['ok']}/{summary['requests']} requests ok in {summary['wall_s']:.1f} s; "
-             f"{summary['request_throughput']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s; "
-             f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['goodput_fraction']:.0%} within "
-             f"TTFT ≤ {summary['slo']['ttft_s']} s and ITL ≤ {summary['slo']['itl_s']} s)", "",
+    lines = [f"## {title}", "",
+             f"{summary['ok']}/{summary['requests']} requests ok in {summary['wall_s']:.1f} s; "
+             f"{summary['request_throughput']:.2f} req/s, {summary['output_tokens_per_s']:.1f} "
+             f"output tokens/s; goodput {summary['goodput_requests_per_s']:.2f} req/s "
+             f"({summary['goodput_fraction']:.0%} within TTFT ≤ {summary['slo']['ttft_s']} s and "
+             f"ITL ≤ {summary['slo']['itl_s']} s)", "",
              "| ms | p50 | p90 | p99 |", "|---|---|---|---|"]
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "end to end")):
         d = summary[key]
         lines.append(f"| {label} | {ms(d, 'p50')} | {ms(d, 'p90')} | {ms(d, 'p99')} |")
     hr = summary["prefix_hit_ratio"]
-    lines += ["", f"Prefix hit ratio: {'–' if hr is None else f'{hr:.3f}'}; plans: {summary['route_plans'] or '–'}; "
-              f"errors: {summary['errors'] or 'none'}"]
+    lines += ["", f"Prefix hit ratio: {'–' if hr is None else f'{hr:.3f}'}; plans: "
+              f"{summary['route_plans'] or '–'}; errors: {summary['errors'] or 'none'}"]
     return "\n".join(lines) + "\n"
 
 
@@ -133,7 +137,8 @@ def plot(records: list[RequestRecord], out: Path, title: str) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     ok = [r for r in records if r.error is None]
-    series = {"TTFT": [r.ttft_s for r in ok if r.ttft_s is not None], "ITL": [x for r in ok for x in r.itl_s],
+    series = {"TTFT": [r.ttft_s for r in ok if r.ttft_s is not None],
+              "ITL": [x for r in ok for x in r.itl_s],
               "end to end": [r.e2e_s for r in ok if r.e2e_s is not None]}
     for ax, (name, vals) in zip(axes, series.items(), strict=True):
         vals = sorted(v * 1e3 for v in vals)
@@ -152,12 +157,14 @@ def plot_rates(rows: list[dict], out: Path, title: str) -> Path | None:
     rates = [r["rate"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(rates, [r["request_throughput"] for r in rows], marker="o", label="completed")
-    left.plot(rates, [r["goodput_requests_per_s"] for r in rows], marker="o", label="within SLO (goodput)")
+    left.plot(rates, [r["goodput_requests_per_s"] for r in rows], marker="o",
+              label="within SLO (goodput)")
     left.set_xlabel("offered load (sessions/s)")
     left.set_ylabel("requests/s")
     left.legend()
     for q in ("p50", "p99"):
-        right.plot(rates, [(r["ttft_s"][q] or 0) * 1e3 for r in rows], marker="o", label=f"TTFT {q}")
+        right.plot(rates, [(r["ttft_s"][q] or 0) * 1e3 for r in rows], marker="o",
+                   label=f"TTFT {q}")
     right.set_xlabel("offered load (sessions/s)")
     right.set_ylabel("ms")
     right.legend()

@@ -27,7 +27,8 @@ class RequestRecord:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
-    timing: dict | None = None  # the router's `tandem` field: plan, cached tokens, where the time went
+    # the router's `tandem` field: plan, cached tokens, where the time went
+    timing: dict | None = None
 
     @property
     def plan(self) -> str | None:
@@ -64,8 +65,8 @@ class Runner:
         self._total = sum(len(s.turns) for s in sessions)
         headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(base_url=c.base_url.rstrip("/"), headers=headers, timeout=c.timeout_s,
-                                     limits=limits) as http:
+        async with httpx.AsyncClient(base_url=c.base_url.rstrip("/"), headers=headers,
+                                     timeout=c.timeout_s, limits=limits) as http:
             if c.rate is not None:
                 rng = random.Random(c.seed)
                 tasks = []
@@ -94,7 +95,8 @@ class Runner:
             self.records.append(rec)
             self._done += 1
             if self._done % max(1, self._total // 20) == 0 or self._done == self._total:
-                print(f"\r[bench] {self._done}/{self._total} requests", end="", file=sys.stderr, flush=True)
+                print(f"\r[bench] {self._done}/{self._total} requests", end="",
+                      file=sys.stderr, flush=True)
             if rec.error:
                 return  # the rest of this conversation depends on the lost answer
             messages.append({"role": "assistant", "content": text})

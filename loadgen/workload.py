@@ -45,11 +45,12 @@ def shared_system(num_requests: int, seed: int = 0, system_words: int = 200, use
                   max_tokens: int = 16) -> list[Session]:
     rng = random.Random(seed)
     system = _text(rng, system_words)
-    return [Session(i, system, [Turn(_text(rng, user_words), max_tokens)]) for i in range(num_requests)]
+    return [Session(i, system, [Turn(_text(rng, user_words), max_tokens)])
+            for i in range(num_requests)]
 
 
-def mixed(num_requests: int, seed: int = 0, long_prompt_words: int = 300, long_answer_tokens: int = 64,
-          long_prompt_fraction: float = 0.5) -> list[Session]:
+def mixed(num_requests: int, seed: int = 0, long_prompt_words: int = 300,
+          long_answer_tokens: int = 64, long_prompt_fraction: float = 0.5) -> list[Session]:
     """Long prompt + short answer (prefill-heavy) interleaved with short prompt + long answer
     (decode-heavy): the traffic where a long prefill stalls colocated decode streams."""
     rng = random.Random(seed)

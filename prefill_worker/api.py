@@ -14,7 +14,8 @@ from worker.state import WorkerState
 
 
 def prefill_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))])
+    router = APIRouter(
+        dependencies=[Depends(require_internal_token(state.settings.internal_token))])
 
     @router.post("/prefill", response_model=PrefillResponse)
     async def prefill(req: PrefillRequest, request: Request) -> PrefillResponse:

@@ -67,9 +67,9 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         # No await from here to the answer: a cancellation cannot land between export and reply.
         exported = state.connector.export(request_id, block_ids, lease_seconds)
         fields = dict(do_remote_prefill=True, remote_host=s.public_host, remote_port=s.port,
-                      block_hashes=core.hasher(prompt, cache_salt=tenant and tenant.cache_salt), num_tokens=len(prompt),
-                      prompt_hash=hash_tokens(prompt), expires_at=exported["lease_expires_at"],
-                      **exported)
+                      block_hashes=core.hasher(prompt, cache_salt=tenant and tenant.cache_salt),
+                      num_tokens=len(prompt), prompt_hash=hash_tokens(prompt),
+                      expires_at=exported["lease_expires_at"], **exported)
         kv = KVTransferParams(**handle.sign(fields, s.internal_token))
     lp = out.logprobs[0] if out.logprobs else None
     return PrefillResponse(
@@ -77,6 +77,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         first_token_id=out.token_ids[0],
         num_cached_tokens=out.num_cached_tokens,
         kv_transfer_params=kv,
-        first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top) if lp else None,
+        first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+                            if lp else None,
         finish_reason=out.finish_reason if done else None,
     )

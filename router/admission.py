@@ -20,13 +20,15 @@ class Admission:
     choices (fair queuing: a client that queued a hundred requests does not make another's one
     wait behind them all), FIFO among equals."""
 
-    def __init__(self, max_running: int, max_queued: int, max_per_client: int | None = None) -> None:
+    def __init__(self, max_running: int, max_queued: int,
+                 max_per_client: int | None = None) -> None:
         self.max_running = max_running
         self.max_queued = max_queued
         self.max_per_client = max_per_client
         self.running = 0  # choices holding a slot
         self._by_client: dict[str, int] = {}  # client -> choices holding a slot (none at 0)
-        self._waiting: list[tuple[int, int, int, str, asyncio.Future]] = []  # (rank, order, weight, client, fut)
+        # (rank, order, weight, client, fut)
+        self._waiting: list[tuple[int, int, int, str, asyncio.Future]] = []
         self._order = itertools.count()
 
     @property
@@ -46,7 +48,8 @@ class Admission:
 
     def _fits(self, weight: int, client: str) -> bool:
         return self.running + weight <= self.max_running and (
-            self.max_per_client is None or self._by_client.get(client, 0) + weight <= self.max_per_client)
+            self.max_per_client is None
+            or self._by_client.get(client, 0) + weight <= self.max_per_client)
 
     def _take(self, weight: int, client: str) -> None:
         self.running += weight
@@ -57,7 +60,8 @@ class Admission:
             self._take(weight, client)
             return
         if len(self._waiting) >= self.max_queued:
-            raise APIError(503, "the router's queue is full", "overloaded", headers={"Retry-After": "1"})
+            raise APIError(503, "the router's queue is full", "overloaded",
+                           headers={"Retry-After": "1"})
         fut = asyncio.get_running_loop().create_future()
         self._waiting.append((rank, next(self._order), weight, client, fut))
         self._grant()  # a client under its share may go ahead of others' waiters

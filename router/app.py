@@ -33,8 +33,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
             yield
 
     # Errors answered before a model is known (413, a client gone) count under no model.
-    app = FrontedAPI(title="Tandem router", lifespan=lifespan, max_body_bytes=settings.max_body_bytes,
-                     body_timeout_s=settings.body_timeout_s, on_error=lambda status: gw.metrics.count(status, NO_MODEL))
+    app = FrontedAPI(title="Tandem router", lifespan=lifespan,
+                     max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
+                     on_error=lambda status: gw.metrics.count(status, NO_MODEL))
     install_error_handlers(app)
 
     async def serve(chat: bool, headers, raw: bytes, peer: str | None) -> Response:

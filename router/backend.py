@@ -90,9 +90,9 @@ class Backend(Protocol):
                       num_uncached: int | None = None) -> PrefillResponse:
         """The prefill leg's answer (common/protocol.py); `first_token_id` is None when the
         decode leg produces every token (vLLM). `tenant` says who sent the request (a worker
-        shares its batch fairly between clients) and salts its blocks apart. The leg's time limit grows with
-        `num_uncached`, the tokens the worker computes before it answers (default: the whole
-        prompt). Raises WorkerFailure or RequestRejected."""
+        shares its batch fairly between clients) and salts its blocks apart. The leg's time limit
+        grows with `num_uncached`, the tokens the worker computes before it answers (default: the
+        whole prompt). Raises WorkerFailure or RequestRejected."""
 
     async def abort(self, w: WorkerInfo, request_id: str) -> None:
         """Tell the worker to drop `request_id` (prefilling, or its blocks held for export):
@@ -137,7 +137,8 @@ class HTTPBackend:
 
 
 async def stalled(read, stall_s: float | None):
-    """`await read`, within `stall_s` (None: the stream's own socket limit); TimeoutError past it."""
+    """`await read`, within `stall_s` (None: the stream's own socket limit); TimeoutError past it.
+    """
     if stall_s is None:
         return await read
     async with asyncio.timeout(stall_s):

@@ -29,7 +29,8 @@ REFUSED_KEPT = 4096  # refused constraints remembered (least recently refused fo
 
 def sampling_options(body, n_index: int, max_tokens_default: int) -> SamplingOptions:
     """Choice `n_index`'s options; APIError 400 naming the field (never pydantic's own text)."""
-    lp = (body.top_logprobs or 0) if isinstance(body, ChatCompletionRequest) and body.logprobs else None
+    lp = ((body.top_logprobs or 0)
+          if isinstance(body, ChatCompletionRequest) and body.logprobs else None)
     if isinstance(body, CompletionRequest):
         lp = body.logprobs
     try:

@@ -134,7 +134,8 @@ class Dispatcher:
                             # (400,000 tokens for max_tokens 8, once) is cut, not relayed.
                             ev = ev.model_copy(update={
                                 "token_ids": ev.token_ids[:max(room, 0)], "finish_reason": "length",
-                                "logprobs": ev.logprobs[:max(room, 0)] if ev.logprobs else ev.logprobs})
+                                "logprobs": ev.logprobs[:max(room, 0)] if ev.logprobs
+                                            else ev.logprobs})
                         sent.extend(ev.token_ids)
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or RequestTiming()
@@ -160,7 +161,8 @@ class Dispatcher:
                 if nxt is None:
                     raise
                 log.warning("decode on %s failed (%s); resuming on %s after %d tokens",
-                            decode.worker_id, e, nxt.worker_id, len(sent), extra={"request_id": request_id})
+                            decode.worker_id, e, nxt.worker_id, len(sent),
+                            extra={"request_id": request_id})
                 trace.resumed += 1
                 # A worker that refused the stream (draining, full) pulled nothing: the next one
                 # can still pull the prefilled blocks. Otherwise it prefills prompt + tokens so far.

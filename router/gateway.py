@@ -1,6 +1,6 @@
-"""The router's request path (docs/contract.md "Request path", steps 1-3 and 7): validate and tokenize
-a request, hash its blocks, one index round trip for every live worker's leading match, a plan
-from the policy (`plan_for`, pure: the simulator calls it too), the plan run by the dispatcher.
+"""The router's request path (docs/contract.md "Request path", steps 1-3 and 7): validate and
+tokenize a request, hash its blocks, one index round trip for every live worker's leading match, a
+plan from the policy (`plan_for`, pure: the simulator calls it too), the plan run by the dispatcher.
 Response shaping (JSON, SSE) is in router/responses.py; app.py only wires HTTP to this."""
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class Gateway:
                 return backends[w.backend].probe(w)
 
             await directory.probe_all(probe)
-            # Every worker is health-checked, Redis-discovered ones too (a heartbeat is not readiness).
+            # Every worker is health-checked, Redis-discovered ones too (a heartbeat is not
+            # readiness).
             tasks = [asyncio.create_task(directory.run_probes(probe, s.probe_interval_s))]
             try:
                 redis = None
@@ -138,7 +139,8 @@ class Gateway:
                     tasks.append(asyncio.create_task(directory.run(redis, s.refresh_interval_s)))
                     tasks.append(asyncio.create_task(self.index.run(s.index_poll_interval_s)))
                 else:
-                    log.warning("no Redis configured: in-process prefix index (learns from routing only)")
+                    log.warning("no Redis configured: in-process prefix index (learns "
+                                "from routing only)")
                 if self.limiter is None:
                     self.limiter = RateLimiter(redis, self.keys, s.rate_limit_rpm, s.rate_limit_tpm)
                 yield self
@@ -191,7 +193,8 @@ class Gateway:
         if model is None:
             served = self.catalog.served(self.directory.workers.values())
             raise APIError(404, f"model {body.model!r} does not exist; this router serves "
-                           f"{', '.join(map(repr, served)) or 'no model yet'}", "model_not_found", "model")
+                           f"{', '.join(map(repr, served)) or 'no model yet'}",
+                           "model_not_found", "model")
         return model
 
     async def prompt_ids(self, model: ServedModel, body, body_bytes: int = 0) -> list[int]:

@@ -56,7 +56,8 @@ return out
 # worker costs O(log matched) lookups instead of O(matched). It assumes a worker's blocks of one
 # chain form a prefix, which the workers' eviction order keeps true (a sequence's blocks are freed
 # tail first and evicted least-recently-freed first); where a middle block was evicted anyway, it
-# can overcount, which only misplaces a request, never corrupts one (workers compute what they lack).
+# can overcount, which only misplaces a request, never corrupts one (workers compute what they
+# lack).
 _GALLOP_LUA = """
 local out = {}
 local n_args = #ARGV

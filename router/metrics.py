@@ -21,26 +21,34 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         m = ["model"]
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", m, buckets=_LAT, registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", m,
+                              buckets=_LAT, registry=r)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between tokens", m,
                              buckets=_FAST + _LAT[4:], registry=r)
-        self.latency = Histogram("tandem_request_latency_seconds", "Request latency", m, buckets=_LAT, registry=r)
-        self.overhead = Histogram("tandem_router_overhead_seconds", "Router work before the first worker call",
-                                  m, buckets=_FAST, registry=r)
-        self.prefill = Histogram("tandem_prefill_time_seconds", "Prefill leg as seen by the router", m,
+        self.latency = Histogram("tandem_request_latency_seconds", "Request latency", m,
                                  buckets=_LAT, registry=r)
-        self.requests = Counter("tandem_requests", "Requests by status", ["status", "model"], registry=r)
+        self.overhead = Histogram("tandem_router_overhead_seconds",
+                                  "Router work before the first worker call", m,
+                                  buckets=_FAST, registry=r)
+        self.prefill = Histogram("tandem_prefill_time_seconds",
+                                 "Prefill leg as seen by the router", m, buckets=_LAT, registry=r)
+        self.requests = Counter("tandem_requests", "Requests by status",
+                                ["status", "model"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens routed", m, registry=r)
-        self.completion_tokens = Counter("tandem_completion_tokens", "Tokens returned", m, registry=r)
-        self.hit_tokens = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache",
-                                  ["pool", "model"], registry=r)
-        self.route = Counter("tandem_route_decisions", "Plans chosen", ["plan", "model"], registry=r)
-        self.retries = Counter("tandem_retries", "Retries and resumes", ["kind", "model"], registry=r)
+        self.completion_tokens = Counter("tandem_completion_tokens", "Tokens returned",
+                                         m, registry=r)
+        self.hit_tokens = Counter("tandem_prefix_cache_hit_tokens",
+                                  "Prompt tokens served from cache", ["pool", "model"], registry=r)
+        self.route = Counter("tandem_route_decisions", "Plans chosen",
+                             ["plan", "model"], registry=r)
+        self.retries = Counter("tandem_retries", "Retries and resumes",
+                               ["kind", "model"], registry=r)
         self.models = Gauge("tandem_served_models", "Models with a live worker", registry=r)
         self._known: set[str] = set()
         self.add_model(NO_MODEL)
         self.redis_up = Gauge("tandem_redis_up", "1 when the prefix index answers", registry=r)
-        self.inflight = Gauge("tandem_router_inflight_requests", "Requests running or queued in this router",
+        self.inflight = Gauge("tandem_router_inflight_requests",
+                              "Requests running or queued in this router",
                               registry=r)  # the HPA's scaling signal (charts/tandem)
         self.workers = Gauge("tandem_live_workers", "Live workers by role", ["role"], registry=r)
 

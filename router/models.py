@@ -83,7 +83,8 @@ class ModelCatalog:
         self._refused_logged: set[tuple[str, str, str]] = set()
         self._tokenizer_failures: dict[str, float] = {}  # name -> when to try again
         self.refused = Counter("tandem_worker_registrations_refused", "Workers (or one of their "
-                               "names) left out of routing, by reason", ["reason"], registry=registry)
+                               "names) left out of routing, by reason", ["reason"],
+                               registry=registry)
         for reason in ("model_identity", "hash_seed", "tokenizer"):
             self.refused.labels(reason)
 
@@ -91,7 +92,8 @@ class ModelCatalog:
         """Load the `--model`'s tokenizer now, so a missing one fails at startup."""
         if self.only and (self.tokenizer_path or (self.model_dir / self.only).is_dir()):
             path = self.tokenizer_path or self.model_dir / self.only
-            self.models[self.only] = ServedModel(self.only, self._tokenizer(path), tokenizer_source=str(path),
+            self.models[self.only] = ServedModel(self.only, self._tokenizer(path),
+                                                 tokenizer_source=str(path),
                                                  vocab_size=config_vocab_size(path))
 
     def _tokenizer(self, path: Path) -> Tokenizer:
@@ -147,7 +149,8 @@ class ModelCatalog:
         for w in workers:
             w.accepted = frozenset(accepted[w.worker_id])
 
-    async def _model(self, name: str, identity: Identity, example: WorkerInfo) -> ServedModel | None:
+    async def _model(self, name: str, identity: Identity,
+                     example: WorkerInfo) -> ServedModel | None:
         model = self.models.get(name)
         if model is not None and model.identity == identity:
             model.vocab_size = model.vocab_size or example.vocab_size

@@ -44,7 +44,8 @@ def body_schema(model, served_model: str | None) -> dict:
             return [inline(v) for v in node]
         return node
 
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def text_chars(body, variables: frozenset[str] = frozenset()) -> int:
@@ -141,7 +142,8 @@ def timing_field(trace: Trace | None, t_start: float, expose_workers: bool = Fal
             "retries": trace.retries, "resumed": trace.resumed, "fallback": trace.fallback,
             # When the router had the first token: the client may see it later (a token that is
             # part of a multi-byte character, or held back by a possible stop string, has no text).
-            "first_token_s": None if trace.first_token_at is None else trace.first_token_at - t_start}
+            "first_token_s": None if trace.first_token_at is None
+                             else trace.first_token_at - t_start}
 
 
 def sse_data(obj: dict) -> bytes:

@@ -93,7 +93,8 @@ class LeastLoadedPolicy:
 
 
 def _load_key(w: WorkerInfo) -> tuple:
-    return (w.inflight + w.running() + int(w.load.get("waiting", 0)), w.queued_tokens(), w.worker_id)
+    return (w.inflight + w.running() + int(w.load.get("waiting", 0)), w.queued_tokens(),
+            w.worker_id)
 
 
 class KVAwarePolicy:
@@ -111,7 +112,8 @@ class KVAwarePolicy:
         uncached = max(ctx.num_tokens - cached * w.block_size, 1)
         return (w.queued_tokens() + uncached) / self._rate(w), cached
 
-    def _around_backlog(self, ctx: RouteContext, decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
+    def _around_backlog(self, ctx: RouteContext,
+                        decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
         """Local prefill for any prompt while the prefill pool is backed up: when even the least
         loaded prefill worker has at least this prompt's own uncached tokens queued, a decode
         worker may prefill it (as Dynamo's conditional disaggregation does with queue depth).
@@ -145,19 +147,22 @@ class KVAwarePolicy:
         for d in ctx.decode:
             held, size = ctx.matches.get(d.worker_id, 0), d.block_size
             uncached = ctx.num_tokens - held * size
-            if not ctx.prefill or (s.conditional_disagg and uncached <= s.local_prefill_max_uncached_tokens
-                                   and held * size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
+            if not ctx.prefill or (
+                    s.conditional_disagg and uncached <= s.local_prefill_max_uncached_tokens
+                    and held * size >= s.local_prefill_min_cached_fraction * ctx.num_tokens):
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, cached = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
-                local.append((t_local, _load_key(d), Plan("decode_local", d, None, t_local, cached)))
+                local.append((t_local, _load_key(d),
+                              Plan("decode_local", d, None, t_local, cached)))
             else:
                 others.append(d)
             # Missing full blocks plus the partial tail block always move, at the bandwidth this
             # decode worker's pulls have measured (the fleet's, or the setting, until then).
             missing = max(ctx.num_tokens // size - held, 0) + (ctx.num_tokens % size > 0)
             bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
-            transfer_s = s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bandwidth
+            transfer_s = (s.transfer_fixed_s
+                          + missing * (d.block_bytes or s.bytes_per_block) / bandwidth)
             transfer.append((s.transfer_weight * transfer_s, d))
         for c in ctx.colocated:
             t, cached = self._prefill_s(c, ctx)

@@ -88,7 +88,8 @@ class BlockReplica:
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match(self, block_hashes: list[int], worker_ids: list[str], search: str = "gallop") -> dict[str, int]:
+    def match(self, block_hashes: list[int], worker_ids: list[str],
+              search: str = "gallop") -> dict[str, int]:
         """Leading matched blocks per worker id (0 for unknown workers).
 
         `exact` walks the prompt until every candidate has missed: O(longest match). `gallop`

@@ -58,7 +58,8 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
             # Errors before the first token are HTTP errors (the headers are not sent yet). Every
             # choice's start is awaited before one error is raised: a generator still running
             # cannot be closed.
-            firsts = await asyncio.gather(*[anext(gen, None) for gen in gens], return_exceptions=True)
+            firsts = await asyncio.gather(*[anext(gen, None) for gen in gens],
+                                          return_exceptions=True)
             for first in firsts:
                 if isinstance(first, BaseException):
                     raise first
@@ -73,8 +74,8 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
             results = [await _collect(gw, model, one, body, t_start)]
         else:
             results = await _all_or_none([
-                _collect(gw, model, gw.run_one(body, model, prompt, opts[i], f"{rid}-{i}", client_rid,
-                                               tag),
+                _collect(gw, model, gw.run_one(body, model, prompt, opts[i],
+                                               f"{rid}-{i}", client_rid, tag),
                          body, t_start)
                 for i in range(body.n)])
     return _json_response(gw, model, results, body, chat, rid, created, prompt, t_start)
@@ -122,7 +123,8 @@ def _json_response(gw: Gateway, model: ServedModel, results, body, chat, rid, cr
     timing = timing_field(results[0][4], t_start, gw.settings.expose_worker_ids)
     trace = results[0][4]
     cached = trace.num_cached_tokens if trace is not None else None
-    out = envelope(rid, chat, created, body.model, choices, usage_=usage(len(prompt), n_out, cached))
+    out = envelope(rid, chat, created, body.model, choices,
+                   usage_=usage(len(prompt), n_out, cached))
     out["tandem"] = timing
     return Response(orjson.dumps(out), media_type="application/json",
                     headers={"x-tandem-timing": orjson.dumps(timing).decode()})

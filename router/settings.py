@@ -1,6 +1,7 @@
 """Router settings, built once at the edge: CLI flags (generated from these fields by
 tandem/flags.py) over TANDEM_ROUTER_* environment variables over the defaults here. Each field's
-description is its `--help` text and its line in the configuration reference (docs/configuration.md)."""
+description is its `--help` text and its line in the configuration reference
+(docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ class RouterSettings(BaseSettings):
                               "before --client-requests-per-s paces them")
     client_max_running: int | None = Field(None, ge=1, description="choices of one client "
                                            "running on the workers at once; more queue (none: "
-                                           "no limit; the queue is fair between clients either way)")
+                                           "no limit; the queue is fair between clients either "
+                                           "way)")
     # kv_aware cost model (seconds); every weight and threshold is a setting.
     default_prefill_tokens_per_s: float = Field(1000.0, description="prefill rate assumed until "
                                                 "a worker's has been measured")

@@ -149,10 +149,12 @@ async def sse(gw: Gateway, served: ServedModel, starts: list, body, chat: bool, 
               created: int, prompt: list[int], t_start: float, slot: AsyncExitStack):
     """The whole response; `starts` is each choice's (first event, rest of its events)."""
     metrics, label = gw.metrics, served.name
-    choices = [ChoiceStream(gw, served, body, chat, rid, created, i, t_start) for i in range(len(starts))]
+    choices = [ChoiceStream(gw, served, body, chat, rid, created, i, t_start)
+               for i in range(len(starts))]
     try:
         try:
-            parts = [c.frames(first, events) for c, (first, events) in zip(choices, starts, strict=True)]
+            parts = [c.frames(first, events)
+                     for c, (first, events) in zip(choices, starts, strict=True)]
             merged = parts[0] if len(parts) == 1 else _interleave(parts)
             # Closed before the slot (below): a cut stream's choices stop reading their worker
             # streams first, so closing those finds no generator still running.
@@ -173,7 +175,8 @@ async def sse(gw: Gateway, served: ServedModel, starts: list, body, chat: bool, 
                 gw.observe_trace(c.trace)
         except APIError as e:
             metrics.count(e.status, label)
-            yield sse_data({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+            yield sse_data({"error": {"message": e.message, "type": "server_error",
+                                      "code": e.code}})
             yield b"data: [DONE]\n\n"
     finally:
         await slot.aclose()  # closes every worker stream (a client gone aborts both legs)

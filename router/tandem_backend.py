@@ -59,11 +59,13 @@ class TandemBackend(HTTPBackend):
 
     async def generate(self, w, request_id, prompt, sent, sampling, kv_params, tenant=None
                        ) -> AsyncIterator[StreamEvent]:
-        body = {"request_id": request_id, "prompt_token_ids": prompt, "output_token_ids": list(sent),
-                "sampling": sampling.model_dump(mode="json"), **_tenant_fields(tenant)}
+        body = {"request_id": request_id, "prompt_token_ids": prompt,
+                "output_token_ids": list(sent), "sampling": sampling.model_dump(mode="json"),
+                **_tenant_fields(tenant)}
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
-            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
+            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True,
+                                                              warnings=False)
         async with stream(self.http, w, "/generate", self.headers, body,
                           self.stream_timeout(len(prompt) + len(sent)),
                           STREAM_READ_BUFSIZE, STREAM_RECEIVE_BUFFER) as r:

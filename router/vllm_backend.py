@@ -27,7 +27,8 @@ from router.worker_info import WorkerInfo
 
 
 class VLLMBackend(HTTPBackend):
-    """A vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with the NixlConnector."""
+    """A vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with the NixlConnector.
+    """
 
     # --vllm-report-full-prefix: every request asks vLLM to publish its whole cached prefix as
     # KV events (`kv_cache_report_mode: full`, vLLM >= 0.32), which repairs a bridge's lost history
@@ -63,7 +64,8 @@ class VLLMBackend(HTTPBackend):
             body["vllm_xargs"] = {"kv_cache_report_mode": "full"}
         if sampling.structured is not None:  # vLLM's own field for the same constraint
             kind, spec = sampling.structured.kind, sampling.structured.spec
-            body["structured_outputs"] = {kind: orjson.loads(spec) if kind in ("json", "choice") else spec}
+            body["structured_outputs"] = {kind: orjson.loads(spec)
+                                                if kind in ("json", "choice") else spec}
         return body
 
     def _headers(self, request_id: str) -> dict:
@@ -100,7 +102,8 @@ class VLLMBackend(HTTPBackend):
         body.update(max_tokens=sampling.max_tokens - len(sent), stream=True,
                     stream_options={"include_usage": True})
         if kv_params is not None:
-            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True, warnings=False)
+            body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True,
+                                                              warnings=False)
         want_lp = sampling.logprobs is not None
         num_cached = None
         async with stream(self.http, w, "/v1/completions", self._headers(request_id), body,
@@ -116,7 +119,8 @@ class VLLMBackend(HTTPBackend):
                     break
                 chunk = orjson.loads(data)
                 if chunk.get("error") or chunk.get("object") == "error":
-                    raise WorkerFailure(f"{w.worker_id}: {chunk.get('error') or chunk.get('message')}")
+                    raise WorkerFailure(f"{w.worker_id}: "
+                                        f"{chunk.get('error') or chunk.get('message')}")
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
@@ -144,7 +148,8 @@ class VLLMBackend(HTTPBackend):
         # vLLM lists each --served-model-name alias as its own entry, all with the same root
         # (the model path): the root is its identity, as far as the router can know it.
         root = str(data[0].get("root") or data[0].get("id") or "")
-        return {"model": data[0].get("id", ""), "served_model_names": [d["id"] for d in data if is_name(d.get("id"))],
+        return {"model": data[0].get("id", ""),
+                "served_model_names": [d["id"] for d in data if is_name(d.get("id"))],
                 "model_digest": hashlib.sha256(root.encode()).hexdigest()[:16],
                 "max_model_len": data[0].get("max_model_len")}
 
@@ -156,7 +161,8 @@ def _event(w: WorkerInfo, **fields) -> StreamEvent:
         raise WorkerFailure(f"{w.worker_id}: unexpected stream chunk: {e.errors()[:1]}") from e
 
 
-def _vllm_tokens(logprobs: dict | None, want_lp: bool) -> tuple[list[int], list[TokenLogprob] | None]:
+def _vllm_tokens(logprobs: dict | None,
+                 want_lp: bool) -> tuple[list[int], list[TokenLogprob] | None]:
     """Token ids (and our logprob records) from a vLLM completions `logprobs` object whose tokens
     are written as `token_id:N` (`return_tokens_as_token_ids`)."""
     if not logprobs:

@@ -95,7 +95,8 @@ class WorkerDirectory:
             infos = await pipe.execute(raise_on_error=False)
         except Exception as e:  # noqa: BLE001 - any Redis failure: keep the last view
             if self.redis_ok is not False:
-                log.warning("redis unavailable (%s): routing on the last known workers and load only", e)
+                log.warning("redis unavailable (%s): routing on the last known workers "
+                            "and load only", e)
             self.redis_ok = False
             return
         self.redis_ok = True
@@ -131,7 +132,8 @@ class WorkerDirectory:
                 w = self.workers[wid] = WorkerInfo(wid, reg.role, reg.url)
                 log.info("worker joined: %s (%s at %s)", wid, w.role, w.url)
             w.role, w.url, w.model, w.backend = reg.role, reg.url, reg.model, reg.backend
-            w.served_names, w.digest, w.hash_seed = tuple(reg.names), reg.model_digest, reg.hash_seed
+            w.served_names, w.digest, w.hash_seed = (tuple(reg.names), reg.model_digest,
+                                                     reg.hash_seed)
             w.tokenizer_path, w.started_at = reg.tokenizer_path, reg.started_at
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
@@ -199,7 +201,8 @@ class WorkerDirectory:
         w.model = reg.model or w.model
         if w.worker_id not in self._static_named and reg.names:
             w.served_names = tuple(reg.names)
-        w.digest, w.hash_seed, w.tokenizer_path = reg.model_digest, reg.hash_seed, reg.tokenizer_path
+        w.digest, w.hash_seed, w.tokenizer_path = (reg.model_digest, reg.hash_seed,
+                                                   reg.tokenizer_path)
         w.block_size = reg.block_size or w.block_size
         w.max_model_len = reg.max_model_len or w.max_model_len
         w.vocab_size = reg.vocab_size or w.vocab_size

@@ -42,20 +42,23 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(q / 100 * len(v)))]
 
 
-def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float, slo_itl_s: float) -> dict:
+def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float,
+              slo_itl_s: float) -> dict:
     done = [r for r in requests if r.done_at is not None]
     ttft = [r.first_token_at - r.arrival for r in done]
     itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     span = max(r.done_at for r in done) - min(r.arrival for r in done) if done else 0.0
     good = [r for r in done if r.first_token_at - r.arrival <= slo_ttft_s and
-            (len(r.token_times) < 2 or (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) <= slo_itl_s)]
+            (len(r.token_times) < 2
+             or (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) <= slo_itl_s)]
     return {
         "requests": len(requests), "completed": len(done),
-        "hit_ratio": sum(r.num_cached_tokens for r in done) / max(sum(len(r.prompt) for r in done), 1),
+        "hit_ratio": sum(r.num_cached_tokens for r in done)
+                     / max(sum(len(r.prompt) for r in done), 1),
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "itl_s": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
-        "goodput_rps": len(good) / span if span else 0.0, "throughput_rps": len(done) / span if span else 0.0,
-        "plans": dict(cluster.plans),
+        "goodput_rps": len(good) / span if span else 0.0,
+        "throughput_rps": len(done) / span if span else 0.0, "plans": dict(cluster.plans),
     }
 
 
@@ -69,8 +72,9 @@ def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: 
 
 def cmd_sweep(args) -> int:
     profile = load(args.profile_file) if args.profile_file else calibrated(args.profile)
-    sessions = multi_turn(args.sessions, turns=args.turns, seed=args.seed, system_tokens=args.system_tokens,
-                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think_s,
+    sessions = multi_turn(args.sessions, turns=args.turns, seed=args.seed,
+                          system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                          answer_tokens=args.answer_tokens, think_s=args.think_s,
                           shared_prefixes=args.shared_prefixes)
     rows = []
     for size in args.sizes:
@@ -81,12 +85,14 @@ def cmd_sweep(args) -> int:
             rate = args.sessions_per_s_per_worker * size
             for policy in args.policies:
                 t0 = time.perf_counter()
-                s = simulate(profile, num_p, num_d, policy, sessions, rate=rate, slo=(args.slo_ttft, args.slo_itl))
+                s = simulate(profile, num_p, num_d, policy, sessions, rate=rate,
+                             slo=(args.slo_ttft, args.slo_itl))
                 row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
                        "session_rate": rate, **s, "sim_wall_s": time.perf_counter() - t0}
                 rows.append(row)
-                print(json.dumps({k: row[k] for k in ("workers", "prefill", "decode", "policy", "hit_ratio",
-                                                      "ttft_s", "itl_s", "goodput_rps", "sim_wall_s")}),
+                print(json.dumps({k: row[k] for k in ("workers", "prefill", "decode", "policy",
+                                                      "hit_ratio", "ttft_s", "itl_s", "goodput_rps",
+                                                      "sim_wall_s")}),
                       file=sys.stderr)
     out = {"profile": profile.to_json(), "sessions": args.sessions, "turns": args.turns,
            "system_tokens": args.system_tokens, "shared_prefixes": args.shared_prefixes,
@@ -104,23 +110,26 @@ def cmd_validate(args) -> int:
 
     real_path = Path(args.real) if args.real else ROOT / "bench" / "results" / "policies.json"
     if not real_path.exists():
-        print(f"no real run at {real_path}: run `.venv/bin/python bench/policies.py` first", file=sys.stderr)
+        print(f"no real run at {real_path}: run `.venv/bin/python bench/policies.py` first",
+              file=sys.stderr)
         return 2
     real = json.loads(real_path.read_text())
     tok = Tokenizer(resolve_model("tiny-random"))
-    text_sessions = workload.multi_turn(real["sessions"], turns=real["turns"], seed=0, system_words=30,
-                                        user_words=8, max_tokens=8)
+    text_sessions = workload.multi_turn(real["sessions"], turns=real["turns"], seed=0,
+                                        system_words=30, user_words=8, max_tokens=8)
     sessions = from_chat(text_sessions, tok)
     profile = load(args.profile_file) if args.profile_file else calibrated("tiny-cpu")
     concurrency = real.get("concurrency", 4)  # runs from before --concurrency had 4 in flight
-    out = {"profile": profile.to_json(), "real": str(real_path), "concurrency": concurrency, "policies": {}}
+    out = {"profile": profile.to_json(), "real": str(real_path), "concurrency": concurrency,
+           "policies": {}}
     for policy in POLICIES:
         sim = simulate(profile, 2, 1, policy, sessions, concurrency=concurrency)
         got = real["runs"][policy]
         # The router's own first-token time: the client's TTFT also waits for the first token
         # that has text, which tiny-random's byte tokens often lack (not a routing cost).
         runs = real.get("repeats", {}).get(policy) or [{
-            "hit_ratio": got["prefix_hit_ratio"], "server_ttft_p50_s": (got.get("server_ttft_s") or {}).get("p50")}]
+            "hit_ratio": got["prefix_hit_ratio"],
+            "server_ttft_p50_s": (got.get("server_ttft_s") or {}).get("p50")}]
         cmp = {"hit_ratio": (sim["hit_ratio"], [r["hit_ratio"] for r in runs]),
                "ttft_p50_s": (sim["ttft_s"]["p50"], [r["server_ttft_p50_s"] for r in runs])}
         # Against the mean of the real runs, with their spread: one run on this machine moves
@@ -133,7 +142,8 @@ def cmd_validate(args) -> int:
 
 def _versus(sim: float, real: list[float]) -> dict:
     mean = sum(real) / len(real)
-    return {"sim": sim, "real": mean, "real_min": min(real), "real_max": max(real), "error": (sim - mean) / mean}
+    return {"sim": sim, "real": mean, "real_min": min(real), "real_max": max(real),
+            "error": (sim - mean) / mean}
 
 
 def _write(name: str, data: dict) -> None:
@@ -148,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sw = sub.add_parser("sweep", help="policies x cluster sizes x P:D ratios")
     sw.add_argument("--profile", default="smollm2-cpu")
-    sw.add_argument("--profile-file", default=None, help="JSON cost profile (e.g. measured on a GPU)")
+    sw.add_argument("--profile-file", default=None,
+                    help="JSON cost profile (e.g. measured on a GPU)")
     sw.add_argument("--sessions", type=int, default=10_000)
     sw.add_argument("--turns", type=int, default=4)
     sw.add_argument("--system-tokens", type=int, default=400)
@@ -169,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
     va.add_argument("--profile-file", default=None,
                     help="a JSON cost profile instead of the built-in tiny-cpu one")
-    va.add_argument("--real", default=None, help="a bench/policies.py JSON (default: bench/results/policies.json)")
+    va.add_argument("--real", default=None,
+                    help="a bench/policies.py JSON (default: bench/results/policies.json)")
     va.add_argument("--out", default="sim_validate.json", help="file name under bench/results/")
     va.set_defaults(func=cmd_validate)
     args = ap.parse_args(argv)

@@ -28,6 +28,7 @@ class FleetCache:
             evicted = [order.popitem(last=False)[0] for _ in range(excess)]
             self.replica.remove(worker_id, evicted)
 
-    def match(self, block_hashes: list[int], worker_ids: list[str], search: str = "gallop") -> dict[str, int]:
+    def match(self, block_hashes: list[int], worker_ids: list[str],
+              search: str = "gallop") -> dict[str, int]:
         """The router's view (gallop, as it routes); `exact` for what a worker really holds."""
         return self.replica.match(block_hashes, worker_ids, search)

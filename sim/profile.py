@@ -36,7 +36,8 @@ class CostProfile:
     # its work runs in order, one job at a time (a Python process, bound by its GIL), and the
     # costs below, all CPU work of one process, apply.
     host_cores: float | None = None
-    router_cpu_s: float = 0.0  # router work before the first worker call (template, tokenize, route)
+    # router work before the first worker call (template, tokenize, route)
+    router_cpu_s: float = 0.0
     # Hashing a prompt's blocks and the replica index lookup (bench/index.py: gallop p50 is
     # ~0.14 us per worker per doubling of the prompt's blocks): they grow with the fleet and the
     # context, and run on the router's one event loop.
@@ -58,7 +59,8 @@ class CostProfile:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)
 
     def prefill_s(self, num_uncached: int, local: bool = False) -> float:
-        fixed = self.local_prefill_fixed_s if local and self.local_prefill_fixed_s is not None else self.prefill_fixed_s
+        fixed = (self.local_prefill_fixed_s if local and self.local_prefill_fixed_s is not None
+                 else self.prefill_fixed_s)
         return fixed + num_uncached / self.prefill_tokens_per_s
 
     def lookup_s(self, num_blocks: int, num_workers: int) -> float:
@@ -86,24 +88,27 @@ def load(path: str | Path) -> CostProfile:
 # bench/kv_transfer.py figures, README): prefill ~480 tok/s per thread (968 tok/s on 2), decode
 # 30 tok/s at batch 1 and 111 tok/s aggregate at batch 8 (on 2 threads; halved for 1), NIXL over
 # loopback ~4 GB/s with ~2 ms fixed cost per pull.
-SMOLLM2_CPU = CostProfile(prefill_tokens_per_s=480.0, prefill_fixed_s=0.01, decode_step_base_s=0.066,
-                          decode_step_per_seq_s=0.0064, link_bytes_per_s=4e9, link_latency_s=0.002,
-                          block_size=16, block_bytes=737_280, num_blocks=2048, router_hop_s=0.002)
+SMOLLM2_CPU = CostProfile(prefill_tokens_per_s=480.0, prefill_fixed_s=0.01,
+                          decode_step_base_s=0.066, decode_step_per_seq_s=0.0064,
+                          link_bytes_per_s=4e9, link_latency_s=0.002, block_size=16,
+                          block_bytes=737_280, num_blocks=2048, router_hop_s=0.002)
 
 # tiny-random (2 layers, hidden 64) as the tests and bench/policies.py run it, every process on
 # this 2-core machine: the costs are all fixed overheads (HTTP, scheduling, Python). Measured by
 # bench/sim_profile.py (two pooled calibrations of 3 clusters each, rounded).
-TINY_CPU = CostProfile(prefill_tokens_per_s=72_000.0, prefill_fixed_s=0.0026, decode_step_base_s=0.0014,
-                       decode_step_per_seq_s=0.00045, link_bytes_per_s=2e8, link_latency_s=0.00155,
-                       block_size=4, block_bytes=2048, num_blocks=2048, router_hop_s=0.00026,
-                       local_prefill_fixed_s=0.0033, host_cores=1.88, router_cpu_s=0.001,
-                       router_relay_cpu_per_token_s=0.00024, client_cpu_per_token_s=0.0003,
-                       prefill_io_cpu_s=0.00014, decode_io_cpu_s=0.0003, jitter=0.26)
+TINY_CPU = CostProfile(prefill_tokens_per_s=72_000.0, prefill_fixed_s=0.0026,
+                       decode_step_base_s=0.0014, decode_step_per_seq_s=0.00045,
+                       link_bytes_per_s=2e8, link_latency_s=0.00155, block_size=4, block_bytes=2048,
+                       num_blocks=2048, router_hop_s=0.00026, local_prefill_fixed_s=0.0033,
+                       host_cores=1.88, router_cpu_s=0.001, router_relay_cpu_per_token_s=0.00024,
+                       client_cpu_per_token_s=0.0003, prefill_io_cpu_s=0.00014,
+                       decode_io_cpu_s=0.0003, jitter=0.26)
 
 PROFILES = {"smollm2-cpu": SMOLLM2_CPU, "tiny-cpu": TINY_CPU}
 
 
 def calibrated(name: str) -> CostProfile:
     if name not in PROFILES:
-        raise ValueError(f"unknown profile {name!r}; choose from {', '.join(PROFILES)} or give a JSON file")
+        raise ValueError(f"unknown profile {name!r}; choose from {', '.join(PROFILES)} or "
+                         "give a JSON file")
     return PROFILES[name]

@@ -67,11 +67,13 @@ class SimWorker:
         self.joining: list[SimRequest] = []  # imported or locally prefilled, for the next step
         self.local: list[SimRequest] = []  # local prefills folded into the next step
         self.stepping = False
-        self.thread = Thread(cluster.host) if cluster.host else None  # its process, on a shared host
+        # its process, on a shared host
+        self.thread = Thread(cluster.host) if cluster.host else None
 
     # -- what the heartbeat would publish --------------------------------------------------
     def publish(self) -> None:
-        self.info.load = {"running": len(self.running) + len(self.joining), "waiting": len(self.queue) + len(self.local),
+        self.info.load = {"running": len(self.running) + len(self.joining),
+                          "waiting": len(self.queue) + len(self.local),
                           "waiting_tokens": sum(len(r.prompt) for r, _ in self.queue)
                           + sum(len(r.prompt) for r in self.local)}
 
@@ -79,7 +81,8 @@ class SimWorker:
         return self.c.index.match(hashes, [self.info.worker_id], "exact")[self.info.worker_id]
 
     # -- prefill role ------------------------------------------------------------------------
-    def submit_prefill(self, req: SimRequest, on_prefilled: Callable[[SimRequest, int], None]) -> None:
+    def submit_prefill(self, req: SimRequest,
+                       on_prefilled: Callable[[SimRequest, int], None]) -> None:
         self.queue.append((req, on_prefilled))
         self.publish()
         if not self.prefilling:
@@ -95,7 +98,8 @@ class SimWorker:
         cached = self.cached_blocks(req.hashes)
         uncached = len(req.prompt) - cached * self.p.block_size
         self.publish()
-        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled, thread=self.thread)
+        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled,
+                       thread=self.thread)
 
     def _prefilled(self, req: SimRequest, cached: int, on_prefilled) -> None:
         self.c.index.record(self.info.worker_id, req.hashes)
@@ -152,7 +156,8 @@ class SimWorker:
             self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
             self.info.inflight -= 1
             self.c.clock.after(hop, self.c.deliver, 1, self._done, r)
-            if self.thread is not None:  # its own work for the request besides the steps, before the next
+            # its own work for the request besides the steps, before the next
+            if self.thread is not None:
                 self.c.compute(self.p.decode_io_cpu_s, _nothing, thread=self.thread)
         if still:
             self.c.clock.after(hop, self.c.deliver, len(still))
@@ -167,28 +172,33 @@ class SimWorker:
 class Cluster:
     """`num_prefill` + `num_decode` (+ `num_colocated`) simulated workers behind the real policy."""
 
-    def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int, policy: str = "kv_aware",
-                 num_colocated: int = 0, settings: RouterSettings | None = None) -> None:
+    def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int,
+                 policy: str = "kv_aware", num_colocated: int = 0,
+                 settings: RouterSettings | None = None) -> None:
         self.profile = profile
         self.clock = Clock()
         self.settings = settings or RouterSettings(block_size=profile.block_size,
-                                                   bytes_per_block=profile.block_bytes, policy_seed=0)
+                                                   bytes_per_block=profile.block_bytes,
+                                                   policy_seed=0)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
         self.index = FleetCache(profile.num_blocks)
         self.host = Host(self.clock, profile.host_cores) if profile.host_cores else None
         self.workers: list[SimWorker] = []
-        for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
+        for role, n in (("prefill", num_prefill), ("decode", num_decode),
+                        ("colocated", num_colocated)):
             for i in range(n):
-                info = WorkerInfo(f"{role}-{i}", role, f"sim://{role}-{i}", block_size=profile.block_size,
-                                  capacity=profile.num_blocks, block_bytes=profile.block_bytes)
+                info = WorkerInfo(f"{role}-{i}", role, f"sim://{role}-{i}",
+                                  block_size=profile.block_size, capacity=profile.num_blocks,
+                                  block_bytes=profile.block_bytes)
                 self.workers.append(SimWorker(self, info))
         self.by_id = {w.info.worker_id: w for w in self.workers}
         self.router_thread = Thread(self.host) if self.host else None
         self.client_thread = Thread(self.host) if self.host else None
         self._rng = random.Random(0)
         sigma = math.sqrt(math.log1p(profile.jitter ** 2))  # lognormal with mean 1 and this CV
-        self._noise = (lambda: self._rng.lognormvariate(-sigma * sigma / 2, sigma)) if profile.jitter else None
+        self._noise = ((lambda: self._rng.lognormvariate(-sigma * sigma / 2, sigma))
+                       if profile.jitter else None)
         self.plans: dict[str, int] = {}
 
     def compute(self, work_s: float, fn: Callable, *args, thread: Thread | None = None) -> None:
@@ -223,7 +233,8 @@ class Cluster:
         p = self.profile
 
         def read() -> None:
-            self.compute(num_tokens * p.client_cpu_per_token_s, fn, *args, thread=self.client_thread)
+            self.compute(num_tokens * p.client_cpu_per_token_s, fn, *args,
+                         thread=self.client_thread)
 
         self.compute(num_tokens * p.router_relay_cpu_per_token_s, read, thread=self.router_thread)
 
@@ -238,7 +249,8 @@ class Cluster:
         req.hashes = self.hasher(req.prompt)
         live = [w.info for w in self.workers]
         matches = self.index.match(req.hashes, [w.worker_id for w in live])
-        plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes), self.profile.block_size)
+        plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes),
+                        self.profile.block_size)
         req.plan = plan.kind
         self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1
         d = self.by_id[plan.decode.worker_id]
@@ -259,7 +271,8 @@ class Cluster:
             learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, self.clock.now + hop - sent)
             r.num_cached_tokens = cached_tokens
             r.token_times.append(self.clock.now)
-            self.compute(hop, first_token, r, thread=self.router_thread)  # the router reads the answer
+            # the router reads the answer
+            self.compute(hop, first_token, r, thread=self.router_thread)
 
         def first_token(r: SimRequest) -> None:
             r.first_token_at = self.clock.now
@@ -268,9 +281,11 @@ class Cluster:
                 self.deliver(1, d._done, r)
                 return
             self.deliver(1)
-            missing = len(r.hashes) - d.cached_blocks(r.hashes) + (len(r.prompt) % self.profile.block_size > 0)
+            missing = (len(r.hashes) - d.cached_blocks(r.hashes)
+                       + (len(r.prompt) % self.profile.block_size > 0))
             t = self.profile.transfer_s(missing)
-            learn_bandwidth(d.info, RequestTiming(transfer_bytes=missing * self.profile.block_bytes, transfer_s=t))
+            learn_bandwidth(d.info, RequestTiming(transfer_bytes=missing * self.profile.block_bytes,
+                                                  transfer_s=t))
             # The decode call, then the pull (waiting on the link, not the CPU).
             self.compute(hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 

@@ -39,8 +39,10 @@ def from_chat(text_sessions, tokenizer) -> list[SimSession]:
     messages through the model's chat template), for replaying a real run."""
     sessions = []
     for s in text_sessions:
-        system = tokenizer.encode_chat([{"role": "system", "content": s.system}], add_generation_prompt=False)
-        turns = [(tokenizer.encode_chat([{"role": "user", "content": t.user}], add_generation_prompt=True),
+        system = tokenizer.encode_chat([{"role": "system", "content": s.system}],
+                                       add_generation_prompt=False)
+        turns = [(tokenizer.encode_chat([{"role": "user", "content": t.user}],
+                                        add_generation_prompt=True),
                   t.max_tokens) for t in s.turns]
         sessions.append(SimSession(system, turns))
     return sessions

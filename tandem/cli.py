@@ -16,7 +16,8 @@ ENGINE_FIELDS = ("model", "cache_dir", "device", "dtype", "num_blocks", "kv_memo
 # Older spellings that scripts, charts and the compose file use.
 WORKER_ALIASES = {"kv_memory_gb": ["--kv-memory"], "heartbeat_ttl_s": ["--heartbeat-ttl"],
                   "fault_injection": ["--enable-fault-injection"]}
-ROUTER_ALIASES = {"workers": ["--worker"], "api_keys": ["--api-key"], "tokenizer_path": ["--tokenizer"]}
+ROUTER_ALIASES = {"workers": ["--worker"], "api_keys": ["--api-key"],
+                  "tokenizer_path": ["--tokenizer"]}
 
 
 def _global_flags(defaults: bool) -> argparse.ArgumentParser:
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_settings_flags(p, WorkerSettings, skip=("role",), aliases=WORKER_ALIASES,
                            hidden=("fault_injection",))
 
-    p = add("bench", commands.cmd_bench, "load-test an OpenAI endpoint (TTFT, ITL, goodput, hit ratio)")
+    p = add("bench", commands.cmd_bench,
+            "load-test an OpenAI endpoint (TTFT, ITL, goodput, hit ratio)")
     from loadgen.bench import add_arguments
 
     add_arguments(p)
@@ -125,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "field (on for demo)")
         p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
         if name == "demo":
-            p.add_argument("--keep", action="store_true", help="keep the cluster running afterwards")
+            p.add_argument("--keep", action="store_true",
+                           help="keep the cluster running afterwards")
     return parser
 
 

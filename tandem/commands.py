@@ -54,7 +54,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed)
     t1 = time.monotonic()
     out = llm.chat(messages, params)[0]
     gen_s = time.monotonic() - t1
@@ -151,16 +152,15 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
     app = create_app(settings)
     # The router's drain is uvicorn's own: stop listening, let in-flight requests finish.
-    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning",
-                                           http=timed_http_protocol(settings.header_timeout_s),
-                                           # X-Forwarded-For only from the proxies listed
-                                           # (uvicorn trusts loopback's by default: any local
-                                           # client could then pick its own identity).
-                                           proxy_headers=bool(settings.forwarded_allow_ips),
-                                           forwarded_allow_ips=settings.forwarded_allow_ips or None,
-                                           timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
-                            drain=app.state.gateway.drain)
+    server = DrainingServer(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                       http=timed_http_protocol(settings.header_timeout_s),
+                       # X-Forwarded-For only from the proxies listed (uvicorn trusts loopback's
+                       # by default: any local client could then pick its own identity).
+                       proxy_headers=bool(settings.forwarded_allow_ips),
+                       forwarded_allow_ips=settings.forwarded_allow_ips or None,
+                       timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
+        drain=app.state.gateway.drain)
     run(server, [sock])
     return 0
 
@@ -217,7 +217,8 @@ def _cluster(args: argparse.Namespace):
                    threads=args.threads, namespace=args.namespace,
                    drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
-                   extra_worker_args=["--enable-fault-injection"] if args.enable_fault_injection else [],
+                   extra_worker_args=["--enable-fault-injection"]
+                                     if args.enable_fault_injection else [],
                    extra_router_args=router_args, api_keys=list(args.api_key))
 
 

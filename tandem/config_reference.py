@@ -76,8 +76,10 @@ def command_table(parser: argparse.ArgumentParser, command: str, settings: dict)
         if action.dest in settings and action.default is argparse.SUPPRESS:
             shared.append(action.option_strings[0])
             continue
-        flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}` (positional)"
-        unset = action.default is None or action.default is argparse.SUPPRESS or action.default is False
+        flags = (", ".join(f"`{f}`" for f in action.option_strings)
+                 or f"`{action.dest}` (positional)")
+        unset = (action.default is None or action.default is argparse.SUPPRESS
+                 or action.default is False)
         default = "" if unset else f"`{action.default!r}`"
         meaning = action.help or (settings[action.dest].description
                                   if action.dest in SAME_MEANING else "")
@@ -104,7 +106,8 @@ def page() -> str:
                             aliases=ROUTER_ALIASES),
              settings_table(WorkerSettings, "Workers (`tandem prefill|decode|colocated`)",
                             "tandem decode", skip=("role",),
-                            aliases={k: v for k, v in WORKER_ALIASES.items() if k != "fault_injection"}),
+                            aliases={k: v for k, v in WORKER_ALIASES.items()
+                                     if k != "fault_injection"}),
              settings_table(BridgeSettings, "vLLM bridge (`tandem vllm-bridge`)",
                             "tandem vllm-bridge"),
              "## Other commands\n\nThe flags of the commands that are not services.",

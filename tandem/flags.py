@@ -1,6 +1,6 @@
-"""CLI flags generated from a settings class: every field a `--name-with-dashes` flag, its help
-the field's description with the default and the environment variable, so `--help`, the
-settings and the configuration reference (docs/configuration.md, tandem/config_reference.py) cannot drift.
+"""CLI flags generated from a settings class: every field a `--name-with-dashes` flag, its help the
+field's description with the default and the environment variable, so `--help`, the settings and the
+configuration reference (docs/configuration.md, tandem/config_reference.py) cannot drift.
 
 A flag the user does not give stays out of the parsed namespace (`argparse.SUPPRESS`), so the
 settings class fills it from its environment variable or its default, in that order.
@@ -24,7 +24,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
     """One flag per field of `cls` but `skip`; `aliases` adds older spellings of a flag,
     `hidden` keeps a flag out of `--help`."""
     aliases = aliases or {}
-    group = parser.add_argument_group(f"settings (environment {cls.model_config.get('env_prefix', '')}*)")
+    group = parser.add_argument_group("settings (environment "
+                                      f"{cls.model_config.get('env_prefix', '')}*)")
     for name, field in cls.model_fields.items():
         if name in skip:
             continue
@@ -60,7 +61,8 @@ def flag_name(field: str) -> str:
 
 
 def shown_default(field: FieldInfo) -> Any:
-    """A field's default as --help and docs/configuration.md show it (a path in the home folder as ~/...)."""
+    """A field's default as --help and docs/configuration.md show it (a path in the home folder as
+    ~/...)."""
     default = field.default if field.default_factory is None else field.default_factory()
     if isinstance(default, Path) and str(default).startswith(str(Path.home())):
         default = "~" + str(default)[len(str(Path.home())):]

@@ -65,9 +65,11 @@ class Cluster:
     specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
     restarts: dict[str, int] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str],
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")  # a restart appends
+        # a restart appends
+        log = open(self.log_dir / f"{name}.log", "a" if name in self.specs else "w")
         # The token goes by environment, not argv: argv is readable by every user (ps).
         env = {**os.environ, "TANDEM_INTERNAL_TOKEN": self.internal_token or "", **(env or {})}
         # Own session: the terminal's Ctrl-C reaches the launcher alone, which forwards it.
@@ -92,8 +94,9 @@ class Cluster:
         if shutil.which("redis-server"):
             port = _free_port()
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host, "--save", "",
-                                     "--appendonly", "no"], stdout=open(self.log_dir / "redis.log", "w"),
+            proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host,
+                                     "--save", "", "--appendonly", "no"],
+                                    stdout=open(self.log_dir / "redis.log", "w"),
                                     start_new_session=True, preexec_fn=parent_death_signal())
             self.procs.append(("redis", proc))
             for _ in range(100):

@@ -1,5 +1,5 @@
-"""Golden block-hash vectors (docs/contract.md "Block hashing"). Router-side and worker-side tests both
-assert these; changing them breaks every deployed prefix index, so never edit them to pass."""
+"""Golden block-hash vectors (docs/contract.md "Block hashing"). Router-side and worker-side tests
+both assert these; changing them breaks every deployed prefix index, so never edit them to pass."""
 
 SMOLLM2_ID = "smollm2-135m-instruct"
 SMOLLM2_SEED = 13725951810839458487

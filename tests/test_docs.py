@@ -274,7 +274,8 @@ def test_worker_metric_names_are_the_codes():
 
 def test_background_task_names_are_the_codes():
     found = set()
-    for top in ("common", "engine", "kv_transfer", "worker", "prefill_worker", "decode_worker", "router"):
+    for top in ("common", "engine", "kv_transfer", "worker", "prefill_worker",
+                "decode_worker", "router"):
         for path in (ROOT / top).rglob("*.py"):
             found |= set(re.findall(r"\.record\(\"([a-z_]+)\"", path.read_text()))
     text = CONTRACT.read_text()
@@ -369,7 +370,8 @@ def cluster(tiny_folder, tmp_path_factory):
 def _snippets() -> list[tuple[str, int, str]]:
     out = []
     for page in MARKDOWN:
-        for i, block in enumerate(re.findall(r"<!-- snippet: openai-client -->\n```python\n(.*?)\n```",
+        for i, block in enumerate(re.findall(r"<!-- snippet: openai-client "
+                                             r"-->\n```python\n(.*?)\n```",
                                              page.read_text(), re.S)):
             out.append((str(page.relative_to(ROOT)), i, block))
     return out
@@ -393,7 +395,8 @@ def test_openai_client_snippet_runs(cluster, page, index, code):
         exec(code, scope)  # noqa: S102 - our own docs
     if "out" in scope:
         out = scope["out"]
-        assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+        assert (out.choices[0].finish_reason in ("stop", "length")
+                and out.usage.completion_tokens >= 1)
         assert out.tandem["plan"] in PLANS and f"{out.tandem['plan']} " in printed.getvalue()
     else:
         tokens = re.search(r"\n (\d+) tokens\n$", printed.getvalue())

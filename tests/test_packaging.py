@@ -44,7 +44,8 @@ def test_json_logs_carry_request_ids():
 
     from common.logs import JsonFormatter
 
-    record = logging.LogRecord("tandem.x", logging.WARNING, __file__, 1, "pull failed (%s)", ("boom",), None)
+    record = logging.LogRecord("tandem.x", logging.WARNING, __file__, 1, "pull failed (%s)",
+                               ("boom",), None)
     record.request_id = "req-9"
     entry = json.loads(JsonFormatter().format(record))
     assert entry["msg"] == "pull failed (boom)" and entry["request_id"] == "req-9"
@@ -97,7 +98,8 @@ def _sample(field, kind) -> str:
     return value
 
 
-@pytest.mark.parametrize("command,cls_name", [("router", "RouterSettings"), ("decode", "WorkerSettings")])
+@pytest.mark.parametrize("command,cls_name",
+                         [("router", "RouterSettings"), ("decode", "WorkerSettings")])
 def test_every_setting_is_a_flag(command, cls_name):
     """Each field of the settings class has a --name-with-dashes flag whose value reaches the
     settings (the issue: only 17 of 44 router settings had one)."""
@@ -112,7 +114,8 @@ def test_every_setting_is_a_flag(command, cls_name):
         if name == "role":
             continue  # the subcommand
         kind, choices = flag_type(field.annotation)
-        argv = [command, flag_name(name)] + ([] if kind is bool else [choices[0] if choices else _sample(field, kind)])
+        argv = ([command, flag_name(name)]
+                + ([] if kind is bool else [choices[0] if choices else _sample(field, kind)]))
         got = given(parser.parse_args(argv), cls)
         assert list(got) == [name]
         settings = cls(**got)

@@ -57,11 +57,13 @@ class Session:
 class Bridge:
     def __init__(self, settings: BridgeSettings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
-        self.server = VLLMServer(settings.vllm_url, settings.vllm_api_key, settings.health_timeout_s)
+        self.server = VLLMServer(settings.vllm_url, settings.vllm_api_key,
+                                 settings.health_timeout_s)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.errors = BackgroundErrors(self.registry)
         self.registry.register(BridgeCollector(self.counts, lambda: self.session is not None,
-                                               lambda: len(self.session.chain) if self.session else 0))
+                                               lambda: len(self.session.chain)
+                                                       if self.session else 0))
         self.tally = BridgeCounts()
         self.own = self.tally.totals["bridge"]  # what the bridge itself counts
         self.session: Session | None = None
@@ -188,7 +190,8 @@ class Bridge:
         if src is None or not src.enable_kv_cache_events or src.publisher != "zmq":
             raise ValueError(f"{st.vllm_url} publishes no KV events (rank {st.dp_rank}): start "
                              f"vLLM with {KV_EVENTS_FLAG}, or give --events-endpoint")
-        if src.endpoint.startswith("tcp://") and "*" not in src.endpoint and "::" not in src.endpoint:
+        if (src.endpoint.startswith("tcp://") and "*" not in src.endpoint
+                and "::" not in src.endpoint):
             raise ValueError(f"vLLM connects to {src.endpoint} (it binds only wildcard or ipc:// "
                              "endpoints): give it tcp://*:PORT")
         replay = st.replay_endpoint or src.replay_endpoint
@@ -198,7 +201,8 @@ class Bridge:
         for endpoint in (src.endpoint, replay):
             if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"cannot connect to vLLM's endpoint {endpoint!r}")
-        return Source(st.resolve_endpoint(src.endpoint), st.resolve_endpoint(replay) if replay else None,
+        return Source(st.resolve_endpoint(src.endpoint),
+                      st.resolve_endpoint(replay) if replay else None,
                       src.topic if st.topic is None else st.topic)
 
     # ---- counts -------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         log.warning("no internal token: the internal API is open to every local process and KV "
                     "handles are unsigned (development only; tandem up generates a token)")
     registry = CollectorRegistry()
-    state = WorkerState(settings, registry, WorkerMetrics(registry, settings.role, settings.served_names[0]), parts)
+    state = WorkerState(settings, registry,
+                        WorkerMetrics(registry, settings.role, settings.served_names[0]), parts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,7 +53,8 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         if settings.fault_injection:
             app.include_router(fault_router(state))
         log.info("%s worker %s ready on %s (model %s, %d KV blocks)", settings.role,
-                 settings.resolved_worker_id, settings.url, state.core.model_id, state.core.num_blocks)
+                 settings.resolved_worker_id, settings.url, state.core.model_id,
+                 state.core.num_blocks)
         try:
             yield
         finally:
@@ -104,8 +106,9 @@ def fault_router(state: WorkerState):
     model step would, to exercise the dead-worker path end to end."""
     from fastapi import APIRouter, Depends
 
-    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))],
-                       include_in_schema=False)
+    router = APIRouter(
+        dependencies=[Depends(require_internal_token(state.settings.internal_token))],
+        include_in_schema=False)
 
     @router.post("/debug/engine-fault")
     async def engine_fault() -> dict:

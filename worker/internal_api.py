@@ -19,7 +19,8 @@ def sampling_params(options) -> SamplingParams:
 
 
 def abort_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))])
+    router = APIRouter(
+        dependencies=[Depends(require_internal_token(state.settings.internal_token))])
 
     @router.post("/abort/{request_id}")
     async def abort(request_id: str) -> dict:

@@ -32,7 +32,8 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, role: str, model: str = "") -> None:
         self.role = role
         r, m = registry, ["model"]
-        self.requests = _WithModel(Counter("tandem_worker_requests", "Requests by endpoint and status",
+        self.requests = _WithModel(Counter("tandem_worker_requests",
+                                           "Requests by endpoint and status",
                                            ["endpoint", "status", "model"], registry=r), model)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens received", m,
                                      registry=r).labels(model)

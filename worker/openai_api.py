@@ -83,7 +83,8 @@ def _params(body: _OpenAIBase) -> SamplingParams:
 
 
 def openai_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(require_internal_token(state.settings.internal_token))])
+    router = APIRouter(
+        dependencies=[Depends(require_internal_token(state.settings.internal_token))])
     core = state.core
     tok = core.tokenizer
 
@@ -113,7 +114,8 @@ def openai_router(state: WorkerState) -> APIRouter:
                 tenant=Tenant(cache_salt=body.cache_salt)))
             state.metrics.requests.labels("openai_prefill", "200").inc()
             text = tok.decode([resp.first_token_id])
-            out_kvp = resp.kv_transfer_params.model_dump() if resp.kv_transfer_params.do_remote_prefill else None
+            out_kvp = (resp.kv_transfer_params.model_dump()
+                       if resp.kv_transfer_params.do_remote_prefill else None)
             if out_kvp is not None:
                 out_kvp["tp_size"] = 1
             return JSONResponse(_body(rid, created, model, text, [resp.first_token_id],
@@ -143,7 +145,8 @@ def openai_router(state: WorkerState) -> APIRouter:
                             yield _sse_chunk(rid, created, model, delta,
                                              out.new_token_ids, out.finish_reason, chat)
                             continue
-                        for frame in _tool_frames(rid, created, model, calls.feed(delta), out.new_token_ids):
+                        for frame in _tool_frames(rid, created, model, calls.feed(delta),
+                                                  out.new_token_ids):
                             yield frame
                         if out.finish_reason is not None:
                             for frame in _tool_frames(rid, created, model, calls.finish(), []):

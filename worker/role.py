@@ -27,8 +27,8 @@ PrefillFn = Callable[..., Awaitable["PrefillResponse"]]
 class KVImporter(Protocol[State_contra]):
     """The decode side of a KV transfer."""
 
-    def accepts(self, state: State_contra, kvp: KVTransferParams, prompt: list[int], request_id: str,
-                cache_salt: str | None = None) -> bool:
+    def accepts(self, state: State_contra, kvp: KVTransferParams, prompt: list[int],
+                request_id: str, cache_salt: str | None = None) -> bool:
         """Whether this worker may pull with `kvp` for `prompt` (else it prefills locally)."""
 
     async def pull(self, state: State_contra, kvp: KVTransferParams, request_id: str,

@@ -1,6 +1,7 @@
 """Worker settings, built once at the edge: CLI flags (generated from these fields by
 tandem/flags.py) over TANDEM_* environment variables over the defaults here. Each field's
-description is its `--help` text and its line in the configuration reference (docs/configuration.md)."""
+description is its `--help` text and its line in the configuration reference
+(docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ class WorkerSettings(BaseSettings):
 
     @property
     def on_loopback(self) -> bool:
-        return is_loopback(self.host) and (self.advertise_host is None or is_loopback(self.advertise_host))
+        return (is_loopback(self.host)
+                and (self.advertise_host is None or is_loopback(self.advertise_host)))
 
     @field_validator("served_model_name")
     @classmethod
@@ -165,7 +167,8 @@ class WorkerSettings(BaseSettings):
     def served_names(self) -> list[str]:
         """The names this worker answers to: those given, or the model id (the engine names its
         model after the folder, which is named after `--model`)."""
-        return self.served_model_name or [check_name(self.model_id or Path(self.model).expanduser().name)]
+        return (self.served_model_name
+                or [check_name(self.model_id or Path(self.model).expanduser().name)])
 
     def security_problem(self) -> str | None:
         """Why this configuration must not start, or None."""
@@ -173,7 +176,8 @@ class WorkerSettings(BaseSettings):
             return None
         return (f"refusing to listen on {self.host} without an internal token: anyone who can "
                 "reach this port could drive the engine and read its KV cache. Set "
-                "--internal-token (or TANDEM_INTERNAL_TOKEN), or pass --insecure to run open anyway.")
+                "--internal-token (or TANDEM_INTERNAL_TOKEN), "
+                "or pass --insecure to run open anyway.")
 
     @property
     def require_signed_handles(self) -> bool:

@@ -82,8 +82,8 @@ class WorkerState:
                                       port=s.transport_port, pull_timeout_s=s.pull_timeout_s,
                                       handshake_timeout_s=s.handshake_timeout_s)
             self.connector = KVConnector(
-                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_digest), tconfig, transport,
-                release=lambda rid: self.engine.post("release", rid),
+                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_digest),
+                tconfig, transport, release=lambda rid: self.engine.post("release", rid),
                 lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
                 errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
                 max_lease_seconds=s.max_lease_seconds,
@@ -127,8 +127,9 @@ class WorkerState:
         while self.busy() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.busy():
-            log.warning("drain timeout (%.1f s): %d prefills and %d streams cut; the router resumes "
-                        "them elsewhere", timeout_s, self.num_prefill_inflight, self.num_streams)
+            log.warning("drain timeout (%.1f s): %d prefills and %d streams cut; "
+                        "the router resumes them elsewhere", timeout_s, self.num_prefill_inflight,
+                        self.num_streams)
         else:
             log.info("drained")
 
@@ -137,7 +138,8 @@ class WorkerState:
         engine must not look alive: not ready at once, its Redis registration and block set
         deleted now (the router stops routing here within one refresh), and the process exits
         non-zero so its supervisor (`tandem up`, Kubernetes, compose) starts a fresh one."""
-        log.critical("engine failed (%s: %s): deregistering and exiting", type(error).__name__, error)
+        log.critical("engine failed (%s: %s): deregistering and exiting",
+                     type(error).__name__, error)
         self.ready = False
         self.exit_code = 1
 

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OUTS = [ROOT / "docker" / "grafana" / "dashboards" / "tandem.json", ROOT / "charts" / "tandem" / "dashboards" / "tandem.json"]
+OUTS = [ROOT / "docker" / "grafana" / "dashboards" / "tandem.json",
+        ROOT / "charts" / "tandem" / "dashboards" / "tandem.json"]
 
 RATE = "[$__rate_interval]"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -66,7 +67,8 @@ def q(expr: str, legend: str) -> dict:
 
 def quantiles(metric: str, by: str = "") -> list[dict]:
     extra = f", {by}" if by else ""
-    return [q(f"histogram_quantile({p}, sum by (le{extra}) (rate({metric}_bucket{RATE})))", f"p{int(p * 100)}")
+    return [q(f"histogram_quantile({p}, sum by (le{extra}) (rate({metric}_bucket{RATE})))",
+              f"p{int(p * 100)}")
             for p in (0.5, 0.9, 0.99)]
 
 
@@ -95,12 +97,15 @@ PANELS = [
     ("Prefix cache hit ratio (router)", "percentunit", [q(
         f"sum(rate(tandem_prefix_cache_hit_tokens_total{{{ROUTER}}}{RATE})) / "
         f"clamp_min(sum(rate(tandem_prompt_tokens_total{{{ROUTER}}}{RATE})), 1)", "hit ratio")]),
-    ("Route plans", "reqps", [q(f"sum by (plan) (rate(tandem_route_decisions_total{RATE}))", "{{plan}}")]),
-    ("Requests by status", "reqps", [q(f"sum by (status) (rate(tandem_requests_total{RATE}))", "{{status}}")]),
+    ("Route plans", "reqps",
+     [q(f"sum by (plan) (rate(tandem_route_decisions_total{RATE}))", "{{plan}}")]),
+    ("Requests by status", "reqps",
+     [q(f"sum by (status) (rate(tandem_requests_total{RATE}))", "{{status}}")]),
     ("Tokens per second", "short", [
         q(f"sum(rate(tandem_completion_tokens_total{RATE}))", "completion"),
         q(f"sum(rate(tandem_prompt_tokens_total{{{ROUTER}}}{RATE}))", "prompt")]),
-    ("KV transfer bytes/s", "Bps", [q(f"sum by (instance, transport) (rate(tandem_kv_transfer_bytes_total{RATE}))",
+    ("KV transfer bytes/s", "Bps", [q("sum by (instance, transport) "
+                                      f"(rate(tandem_kv_transfer_bytes_total{RATE}))",
                                       "{{instance}} {{transport}}")]),
     ("KV transfer time", "s", quantiles("tandem_kv_transfer_seconds")),
     ("Worker queue (waiting / running)", "short", [

@@ -45,6 +45,8 @@ Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# A backslash that ends a line below is Python's line continuation inside the string: the template
+# text runs on unbroken (no newline), as in the model's own template.
 LLAMA3_TOOLS = """{{- bos_token }}
 {%- set date_string = date_string | default("26 Jul 2024") %}
 {%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}
@@ -57,19 +59,24 @@ LLAMA3_TOOLS = """{{- bos_token }}
 {%- for message in messages %}
 {%- if message.role in ['ipython', 'tool'] %}
 {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
-{%- if message.content is mapping or message.content is iterable and message.content is not string %}
+{%- if message.content is mapping or message.content is iterable and message.content is not \
+string %}
 {{- message.content | tojson }}{%- else %}{{- message.content }}{%- endif %}{{- "<|eot_id|>" }}
 {%- elif 'tool_calls' in message %}
 {%- set tool_call = message.tool_calls[0].function %}
 {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
-{{- '{"name": "' + tool_call.name + '", "parameters": ' }}{{- tool_call.arguments | tojson }}{{- "}<|eot_id|>" }}
+{{- '{"name": "' + tool_call.name + '", "parameters": ' }}{{- tool_call.arguments | tojson }}\
+{{- "}<|eot_id|>" }}
 {%- else %}
-{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | \
+trim + '<|eot_id|>' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\
+{%- endif %}"""
 
-MISTRAL = """{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}
+MISTRAL = """{%- if messages[0]['role'] == 'system' %}\
+{%- set system_message = messages[0]['content'] %}
 {%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
 {%- set ns = namespace(index=0) %}
 {{- bos_token }}
@@ -78,22 +85,32 @@ MISTRAL = """{%- if messages[0]['role'] == 'system' %}{%- set system_message = m
 {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
 {%- endif %}{%- set ns.index = ns.index + 1 %}
 {%- if message['role'] == 'user' %}
-{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}
+{%- if loop.last and system_message is defined %}\
+{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}
 {%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}
 {%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}
-{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+{%- else %}\
+{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial \
+optional system message!') }}
 {%- endif %}
 {%- endfor %}"""
 
 GEMMA = """{{ bos_token }}{% set ns = namespace(first=true, seen=0) %}
-{% for message in messages %}{% if ns.seen >= 6 %}{% break %}{% endif %}{% set ns.seen = ns.seen + 1 %}
+{% for message in messages %}{% if ns.seen >= 6 %}{% break %}{% endif %}\
+{% set ns.seen = ns.seen + 1 %}
 {% set role = 'model' if message['role'] == 'assistant' else message['role'] %}
 {% if role == 'system' %}{% set ns.first = false %}{% continue %}{% endif %}
 {{ '<start_of_turn>' + role + '\n' + (message['content'] | trim) + '<end_of_turn>\n' }}
-{% endfor %}{% if documents %}{% for d in documents %}<doc title={{ d.title | tojson }}>{{ d.text }}</doc>
+{% endfor %}{% if documents %}{% for d in documents %}\
+<doc title={{ d.title | tojson }}>{{ d.text }}</doc>
 {% endfor %}{% endif %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"""
 
-PHI = """{% for message in messages %}{% if message['role'] == 'assistant' and message.reasoning_content is defined %}<|assistant|><think>{{ message.reasoning_content }}</think>{{ message['content'] }}<|end|>{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}{{ '' if unk_token is undefined else '' }}"""
+PHI = """{% for message in messages %}\
+{% if message['role'] == 'assistant' and message.reasoning_content is defined %}\
+<|assistant|><think>{{ message.reasoning_content }}</think>{{ message['content'] }}\
+<|end|>{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif %}{% endfor %}\
+{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}\
+{{ '' if unk_token is undefined else '' }}"""
 
 TOOLS = [
     {"type": "function", "function": {

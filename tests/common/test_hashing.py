@@ -8,7 +8,8 @@ from tests import golden
 
 
 def reference_chain(tokens, block_size, model_id, salt=""):
-    """Independent restatement of the docs/contract.md rule with struct, to pin the implementation."""
+    """Independent restatement of the docs/contract.md rule with struct, to pin the implementation.
+    """
     seed = xxhash.xxh3_64_intdigest(f"{model_id}|{block_size}|{salt}".encode())
     out, prev = [], seed
     for i in range(len(tokens) // block_size):

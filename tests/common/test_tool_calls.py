@@ -12,16 +12,18 @@ from common.structured import compile_grammar
 from common.tool_calls import ToolCalls, ToolStream, tool_constraint
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
     Tool.model_validate({"type": "function", "function": {"name": "noop"}})]
-TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
+TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
 
 
 def test_hermes_calls_are_parsed_from_auto_output():
     content, calls = ToolCalls(TOOLS, "auto").split(TEXT)
     assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("noop", {})]
+    assert ([(c.name, json.loads(c.arguments)) for c in calls]
+            == [("get_weather", {"city": "Paris"}), ("noop", {})])
     assert ToolCalls(TOOLS, "auto").split("no calls here") == ("no calls here", [])
     # A tag with no valid JSON is text, not a call.
     assert ToolCalls(TOOLS, "auto").split("<tool_call>oops</tool_call>")[1] == []
@@ -61,7 +63,8 @@ def test_named_arguments_stream_as_generated():
     stream = ToolStream(ToolCalls(TOOLS, NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "get_weather"}})))
     _, first = stream.feed('{"city": ')
-    assert first[0]["function"]["name"] == "get_weather" and first[1]["function"]["arguments"] == '{"city": '
+    assert (first[0]["function"]["name"] == "get_weather"
+            and first[1]["function"]["arguments"] == '{"city": ')
     _, more = stream.feed('"Oslo"}')
     assert more == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
     assert stream.finish() == ("", [])
@@ -73,10 +76,12 @@ def test_forced_choices_compile_to_schemas():
     assert json.loads(named.spec) == TOOLS[0].function.parameters
     required = tool_constraint(TOOLS, "required", False)
     schema = json.loads(required.spec)
-    assert schema["minItems"] == 1 and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert (schema["minItems"] == 1 and schema["maxItems"] == 1
+            and len(schema["items"]["anyOf"]) == 2)
     for s in (named, required):
         compile_grammar(s.kind, s.spec)
-    assert tool_constraint(TOOLS, "auto", None) is None and tool_constraint(None, "required", None) is None
+    assert (tool_constraint(TOOLS, "auto", None) is None
+            and tool_constraint(None, "required", None) is None)
     with pytest.raises(ValueError, match="not in tools"):
         tool_constraint(TOOLS, NamedToolChoice.model_validate(
             {"type": "function", "function": {"name": "missing"}}), None)

@@ -53,7 +53,8 @@ class ComposeProject:
     command: list[str]
     router: httpx.Client | None = None  # the router's published port, once it is up
 
-    def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    def run(self, *args: str, timeout: float = 600,
+            check: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run([*self.command, "-p", self.name, "-f", str(COMPOSE_FILE), *args],
                            env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
@@ -84,7 +85,8 @@ class ComposeProject:
             if all(v in ("healthy", "running") for v in states.values()):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy within {timeout:.0f} s: {states}\n{self.logs(tail=30)}")
+                raise TimeoutError(f"not healthy within {timeout:.0f} s: "
+                                   f"{states}\n{self.logs(tail=30)}")
             time.sleep(2)
 
     def exec(self, service: str, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:

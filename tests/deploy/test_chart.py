@@ -36,8 +36,8 @@ def validate(docs: list[dict]) -> None:
     # everything else must pass --strict.
     core = [d for d in docs if d["apiVersion"] not in CRDS]
     validator = Path(sys.executable).parent / "kubernetes-validate"
-    r = subprocess.run([str(validator), "--strict", "-k", "1.37.0", "-"], input=yaml.safe_dump_all(core),
-                       capture_output=True, text=True)
+    r = subprocess.run([str(validator), "--strict", "-k", "1.37.0", "-"],
+                       input=yaml.safe_dump_all(core), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("passed") == len(core)
 
@@ -47,7 +47,8 @@ def by_kind(docs, kind):
 
 
 def test_lint_strict():
-    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES], capture_output=True, text=True)
+    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -57,21 +58,24 @@ def test_without_its_images_the_chart_refuses_to_install_and_says_how_to_get_the
     assert "image.router.repository is not set" in r.stderr and "docker/build.sh" in r.stderr
     only_router = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES[:2]],
                                  capture_output=True, text=True)
-    assert only_router.returncode != 0 and "image.worker.repository is not set" in only_router.stderr
+    assert (only_router.returncode != 0
+            and "image.worker.repository is not set" in only_router.stderr)
 
 
 def test_default_values_render_valid_manifests():
     docs = render()
     validate(docs)
     deps = by_kind(docs, "Deployment")
-    assert set(deps) == {"rel-tandem-router", "rel-tandem-prefill", "rel-tandem-decode", "rel-tandem-redis"}
+    assert (set(deps)
+            == {"rel-tandem-router", "rel-tandem-prefill", "rel-tandem-decode", "rel-tandem-redis"})
     assert deps["rel-tandem-prefill"]["spec"]["replicas"] == 2
     for name in ("rel-tandem-router", "rel-tandem-prefill", "rel-tandem-decode"):
         c = deps[name]["spec"]["template"]["spec"]["containers"][0]
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"
         assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
         env = {e["name"]: e for e in c["env"]}
-        assert env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "rel-tandem-secrets"
+        assert (env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+                == "rel-tandem-secrets")
         assert any(a.startswith("--redis-url=redis://rel-tandem-redis:6379") for a in c["args"])
     worker = deps["rel-tandem-decode"]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in worker["containers"][0]["resources"]["limits"]
@@ -127,12 +131,15 @@ def _admits(rule: dict, pod_labels: dict, namespace_labels: dict, port: int) -> 
 
 
 def test_prometheus_in_the_monitoring_namespace_may_scrape_workers_and_nothing_else_may():
-    docs = render("--set", "networkPolicy.routerIngressFrom[0].podSelector.matchLabels.role=gateway")
+    docs = render(
+        "--set", "networkPolicy.routerIngressFrom[0].podSelector.matchLabels.role=gateway")
     pols = by_kind(docs, "NetworkPolicy")
     workers, router = pols["rel-tandem-workers"], pols["rel-tandem-router"]
     deps = by_kind(docs, "Deployment")
-    worker_port = deps["rel-tandem-decode"]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-    prometheus = ({"app.kubernetes.io/name": "prometheus"}, {"kubernetes.io/metadata.name": "monitoring"})
+    worker_port = (deps["rel-tandem-decode"]["spec"]["template"]["spec"]["containers"][0]["ports"]
+                   [0]["containerPort"])
+    prometheus = ({"app.kubernetes.io/name": "prometheus"},
+                  {"kubernetes.io/metadata.name": "monitoring"})
     stranger = ({"app": "curious"}, {"kubernetes.io/metadata.name": "default"})
     assert any(_admits(r, *prometheus, worker_port) for r in workers["spec"]["ingress"])
     assert not any(_admits(r, *stranger, worker_port) for r in workers["spec"]["ingress"])
@@ -170,7 +177,8 @@ def test_gpu_rdma_values_render_valid_manifests():
 
 
 def test_external_redis_is_required_when_the_bundled_one_is_off():
-    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "redis.enabled=false"],
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set",
+                        "redis.enabled=false"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "redis.externalUrl is required" in r.stderr
 
@@ -188,7 +196,8 @@ def test_redis_cluster_mode_passes_the_flag_to_every_service():
         assert "--redis-cluster" in args
         parsed = build_parser().parse_args((["router"] if name.endswith("router") else []) + args)
         assert parsed.redis_cluster is True
-    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "redis.cluster=true"],
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set",
+                        "redis.cluster=true"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "redis.cluster needs redis.externalUrl" in r.stderr
 
@@ -205,11 +214,14 @@ def test_autoscaling_is_cpu_alone_unless_a_metrics_provider_is_named():
     assert not by_kind(docs, "HorizontalPodAutoscaler")  # KEDA makes its own
     scaled = by_kind(docs, "ScaledObject")["rel-tandem-router"]
     prom = scaled["spec"]["triggers"][0]
-    assert prom["type"] == "prometheus" and "tandem_router_inflight_requests" in prom["metadata"]["query"]
+    assert (prom["type"] == "prometheus"
+            and "tandem_router_inflight_requests" in prom["metadata"]["query"])
     assert scaled["spec"]["scaleTargetRef"]["name"] in by_kind(docs, "Deployment")
-    assert not by_kind(render("--set", "router.autoscaling.enabled=false"), "HorizontalPodAutoscaler")
+    assert not by_kind(render("--set", "router.autoscaling.enabled=false"),
+                       "HorizontalPodAutoscaler")
     r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES,
-                        "--set", "router.autoscaling.inflight.provider=bogus"], capture_output=True, text=True)
+                        "--set", "router.autoscaling.inflight.provider=bogus"],
+                       capture_output=True, text=True)
     assert r.returncode != 0 and "prometheus-adapter" in r.stderr and "keda" in r.stderr
 
 
@@ -243,7 +255,8 @@ def test_helm_test_hook_sends_one_chat_request_to_the_router():
 
 
 def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
-    args = ("--set", "internalTokenSecret.name=vault-tandem", "--set", "internalTokenSecret.key=token")
+    args = ("--set", "internalTokenSecret.name=vault-tandem", "--set",
+            "internalTokenSecret.key=token")
     docs = render(*args)
     validate(docs)
     assert "rel-tandem-secrets" not in by_kind(docs, "Secret")  # no API keys either: no Secret
@@ -251,7 +264,8 @@ def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
         if d["metadata"]["name"].endswith("redis"):
             continue
         env = {e["name"]: e for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "vault-tandem", "key": "token"}
+        assert (env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]
+                == {"name": "vault-tandem", "key": "token"})
     assert render(*args) == docs  # GitOps: two renders, one result
 
 
@@ -265,12 +279,14 @@ def test_an_existing_secret_holds_the_internal_token_and_nothing_is_generated():
     ("vllm.kvEvents.bufferSteps=0", "/vllm/kvEvents/bufferSteps"),
 ])
 def test_the_values_schema_refuses_bad_values_at_install(flag, message):
-    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", flag], capture_output=True, text=True)
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", flag],
+                       capture_output=True, text=True)
     assert r.returncode != 0 and "schema" in r.stderr and message in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(("source", "sets", "volume_key"), [
-    ("pvc", ["model.pvc.claimName=llama-weights", "model.pvc.subPath=llama-3.1-8b"], "persistentVolumeClaim"),
+    ("pvc", ["model.pvc.claimName=llama-weights", "model.pvc.subPath=llama-3.1-8b"],
+     "persistentVolumeClaim"),
     ("hostPath", ["model.hostPath.path=/mnt/models/llama-3.1-8b"], "hostPath"),
     ("imageVolume", ["model.imageVolume.reference=registry.example/models/llama:3.1-8b"], "image"),
     ("huggingface", ["model.huggingface.repo=meta-llama/Llama-3.1-8B-Instruct",
@@ -306,7 +322,8 @@ def test_models_come_from_outside_the_image_for_workers_and_router(source, sets,
         (init,) = inits
         assert init["command"] == ["tandem"]
         parsed = build_parser().parse_args(init["args"])  # a command line our CLI accepts
-        assert parsed.hf_repo == "meta-llama/Llama-3.1-8B-Instruct" and parsed.out == "/models/llama-3.1-8b"
+        assert (parsed.hf_repo == "meta-llama/Llama-3.1-8B-Instruct"
+                and parsed.out == "/models/llama-3.1-8b")
         assert parsed.tokenizer_only is name.endswith("router")  # the router takes no weights
         env = {e["name"]: e for e in init["env"]}
         assert env["HF_ENDPOINT"]["value"] == "http://hf-mirror.infra:8080"
@@ -317,7 +334,8 @@ def test_models_come_from_outside_the_image_for_workers_and_router(source, sets,
 def test_a_model_source_without_its_location_is_refused():
     for source, message in (("pvc", "model.pvc.claimName is required"),
                             ("huggingface", "model.huggingface.repo is required")):
-        r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", f"model.source={source}"],
+        r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set",
+                            f"model.source={source}"],
                            capture_output=True, text=True)
         assert r.returncode != 0 and message in r.stderr, r.stderr
 
@@ -327,7 +345,8 @@ VALUES_FILES = sorted(CHART.glob("values*.yaml"))
 
 @pytest.mark.parametrize("values", VALUES_FILES, ids=lambda p: p.name)
 def test_every_values_file_lints_and_renders_valid_manifests(values):
-    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES, "-f", str(values)], capture_output=True, text=True)
+    r = subprocess.run([HELM, "lint", "--strict", str(CHART), *IMAGES, "-f", str(values)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     validate(render("-f", str(values)))
 
@@ -335,7 +354,8 @@ def test_every_values_file_lints_and_renders_valid_manifests(values):
 def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
     from tandem.cli import build_parser
 
-    assert {p.name for p in VALUES_FILES} >= {"values.yaml", "values-gpu-vllm.yaml", "values-gpu-rdma.yaml"}
+    assert ({p.name for p in VALUES_FILES}
+            >= {"values.yaml", "values-gpu-vllm.yaml", "values-gpu-rdma.yaml"})
     docs = render("-f", str(CHART / "values-gpu-vllm.yaml"), "--set", "decode.gpus=2")
     sets = by_kind(docs, "StatefulSet")
     assert set(sets) == {"rel-tandem-prefill", "rel-tandem-decode"}
@@ -350,7 +370,8 @@ def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
         args = c["args"]
         assert '--kv-transfer-config={"kv_connector":"NixlConnector","kv_role":"kv_both"}' in args
         assert "--enable-prompt-tokens-details" in args  # cached tokens reach the answers
-        assert f"--tensor-parallel-size={gpus}" in args and "--served-model-name=llama-3.1-8b-instruct" in args
+        assert (f"--tensor-parallel-size={gpus}" in args
+                and "--served-model-name=llama-3.1-8b-instruct" in args)
         assert "--model=/models/llama-3.1-8b-instruct" in args
         for side in ("requests", "limits"):
             assert c["resources"][side]["nvidia.com/gpu"] == gpus
@@ -360,17 +381,21 @@ def test_the_vllm_engine_runs_vllm_with_the_nixl_connector_behind_the_router():
         assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "internal-token"
         shm = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}["dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
-        urls += [f"http://rel-tandem-{role}-{i}.rel-tandem-{role}.default.svc:8200" for i in range(2)]
-    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+        urls += [f"http://rel-tandem-{role}-{i}.rel-tandem-{role}.default.svc:8200"
+                 for i in range(2)]
+    router = (by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]
+              ["containers"][0])
     parsed = build_parser().parse_args(["router", *router["args"]])
     assert not hasattr(parsed, "workers")  # no static list: the bridges register the pods in Redis
     env = {e["name"]: e for e in router["env"]}
-    assert env["TANDEM_ROUTER_VLLM_API_KEY"]["valueFrom"] == env["TANDEM_INTERNAL_TOKEN"]["valueFrom"]
+    assert (env["TANDEM_ROUTER_VLLM_API_KEY"]["valueFrom"]
+            == env["TANDEM_INTERNAL_TOKEN"]["valueFrom"])
 
     # Without KV events the router lists every pod by its DNS name (the approximate index).
     docs = render("-f", str(CHART / "values-gpu-vllm.yaml"), "--set", "vllm.kvEvents.enabled=false")
     validate(docs)
-    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    router = (by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]
+              ["containers"][0])
     parsed = build_parser().parse_args(["router", *router["args"]])
     from router.workers import parse_static
 
@@ -471,7 +496,8 @@ def test_kv_events_over_tcp_reach_only_the_named_peers_and_a_bridge_may_run_else
     assert s.redis_cluster is True and s.redis_url == "redis://redis-cluster.infra.svc:6379"
     assert s.model_folder is None  # model.source=image: vLLM's own image, no folder to read
     assert "volumeMounts" not in bridge
-    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    router = (by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]
+              ["containers"][0])
     parsed = build_parser().parse_args(["router", *router["args"]])
     assert parsed.vllm_report_full_prefix is True and not hasattr(parsed, "workers")
     # The event ports: the named peers only (the sidecar reads them on loopback).
@@ -495,9 +521,11 @@ def test_kv_events_over_tcp_reach_only_the_named_peers_and_a_bridge_may_run_else
     for sts in by_kind(docs, "StatefulSet").values():
         (vllm,) = sts["spec"]["template"]["spec"]["containers"]
         assert kv_events_config(vllm)["endpoint"] == "tcp://*:5557"
-    router = by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]["containers"][0]
+    router = (by_kind(docs, "Deployment")["rel-tandem-router"]["spec"]["template"]["spec"]
+              ["containers"][0])
     assert not any(a.startswith("--worker") for a in router["args"])
     # ipc sockets without the sidecar could be read by nobody: refused.
     r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set", "engine=vllm",
-                        "--set", "vllm.kvEvents.bridge.enabled=false"], capture_output=True, text=True)
+                        "--set", "vllm.kvEvents.bridge.enabled=false"],
+                       capture_output=True, text=True)
     assert r.returncode != 0 and "vllm.kvEvents.transport=ipc needs" in r.stderr, r.stderr

@@ -198,7 +198,8 @@ def test_a_chat_through_the_published_port_gets_the_right_answer(project):
 
 
 def test_prometheus_scrapes_every_tandem_service(project):
-    prometheus = httpx.Client(base_url=f"http://127.0.0.1:{project.env['PROMETHEUS_PORT']}", timeout=30)
+    prometheus = httpx.Client(base_url=f"http://127.0.0.1:{project.env['PROMETHEUS_PORT']}",
+                              timeout=30)
     want = {"router:8000", *(f"{s}:8200" for s in WORKERS)}
 
     def all_up() -> bool:
@@ -246,8 +247,10 @@ def test_docker_stop_drains_a_worker_and_the_router_keeps_serving(project):
     assert worker_id(victim) not in ready_workers(project)
     # An idle prefill worker drains the same way; the router answers on what is left.
     docker("stop", "-t", "40", project.container("prefill-2"), timeout=120)
-    assert project.inspect("prefill-2")["State"]["ExitCode"] == 0 and not registered(project, "prefill-2")
-    assert "Paris" in chat(project, "What is the capital of France?")["choices"][0]["message"]["content"]
+    assert (project.inspect("prefill-2")["State"]["ExitCode"] == 0
+            and not registered(project, "prefill-2"))
+    assert ("Paris"
+            in chat(project, "What is the capital of France?")["choices"][0]["message"]["content"])
 
 
 def test_down_leaves_no_container_network_or_volume(project):

@@ -54,7 +54,8 @@ def test_the_kernels_stage_command_compiles_here_for_sm80_and_sm90(tmp_path):
     args = shlex.split(run.group(1))
     out = tmp_path / LIB_NAME
     args[args.index("--out") + 1] = str(out)
-    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 0
     binary = out.read_bytes()  # the fat binary names the architectures it carries code for
@@ -71,7 +72,8 @@ def test_compose_gpu_profile_reserves_a_gpu_per_worker_and_runs_the_cuda_image()
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
         image = re.fullmatch(r"\$\{TANDEM_WORKER_CUDA_IMAGE:-(\S+)\}", svc["image"])  # a default
-        assert svc["build"]["target"] == "worker-cuda" and image and image.group(1).endswith("latest-cuda")
+        assert (svc["build"]["target"] == "worker-cuda" and image
+                and image.group(1).endswith("latest-cuda"))
         args = build_parser().parse_args(svc["command"])
         assert args.device == "cuda" and args.advertise_host == name
     # No service falls back to a default token.
@@ -116,4 +118,5 @@ def test_compose_vllm_profile_pairs_each_vllm_server_with_a_bridge_on_its_event_
         assert str(s.model_folder) == folder and "vllm-models:/models:ro" in bridge["volumes"]
         assert server["user"] == "10001:10001"  # the bridge's user owns the sockets vLLM makes
         assert server["environment"]["VLLM_API_KEY"].startswith("${TANDEM_INTERNAL_TOKEN:?")
-        assert bridge["environment"]["TANDEM_BRIDGE_VLLM_API_KEY"].startswith("${TANDEM_INTERNAL_TOKEN:?")
+        assert bridge["environment"]["TANDEM_BRIDGE_VLLM_API_KEY"].startswith(
+            "${TANDEM_INTERNAL_TOKEN:?")

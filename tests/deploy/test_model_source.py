@@ -60,11 +60,13 @@ def test_a_worker_download_serves_what_the_original_folder_serves(hub, tmp_path,
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = LLM(str(out), num_blocks=64, block_size=4).generate(["a mirrored model"], params)[0]
-    want = LLM(str(tiny_folder), num_blocks=64, block_size=4).generate(["a mirrored model"], params)[0]
+    want = LLM(str(tiny_folder), num_blocks=64,
+               block_size=4).generate(["a mirrored model"], params)[0]
     assert got.token_ids == want.token_ids
 
 
-def test_a_router_download_without_torch_has_the_tokenizer_and_no_weights(hub, tmp_path, tiny_folder):
+def test_a_router_download_without_torch_has_the_tokenizer_and_no_weights(
+        hub, tmp_path, tiny_folder):
     from common.tokenizer import Tokenizer
 
     out = tmp_path / "router-model"

@@ -87,12 +87,14 @@ def test_every_metric_the_alerts_use_is_exported():
 def test_dashboard_copies_are_generated_and_identical():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("build_dashboard", DOCKER / "grafana" / "build_dashboard.py")
+    spec = importlib.util.spec_from_file_location("build_dashboard",
+                                                  DOCKER / "grafana" / "build_dashboard.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     want = json.dumps(mod.build(), indent=2) + "\n"
     for out in mod.OUTS:
-        assert out.read_text() == want, f"{out} is stale: run python docker/grafana/build_dashboard.py"
+        assert out.read_text() == want, (
+            f"{out} is stale: run python docker/grafana/build_dashboard.py")
 
 
 def test_compose_services_run_commands_our_cli_accepts():
@@ -104,14 +106,16 @@ def test_compose_services_run_commands_our_cli_accepts():
             "grafana"} <= set(services)
     roles = []
     for name, svc in services.items():
-        if name.startswith(("prefill", "decode")) and not svc.get("profiles"):  # GPU ones: test_images
+        # GPU ones: test_images
+        if name.startswith(("prefill", "decode")) and not svc.get("profiles"):
             args = build_parser().parse_args(svc["command"])
             roles.append(args.command)
             assert args.advertise_host == name and args.redis_url == "redis://redis:6379/0"
             assert svc["build"]["target"] == "worker"
     assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
     router = build_parser().parse_args(["router", *services["router"]["command"]])
-    assert router.redis_url == "redis://redis:6379/0" and services["router"]["build"]["target"] == "router"
+    assert (router.redis_url == "redis://redis:6379/0"
+            and services["router"]["build"]["target"] == "router")
     # Prometheus scrapes every Tandem service of the compose file.
     prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in prom["scrape_configs"] for sc in job["static_configs"]
@@ -135,9 +139,11 @@ PROMTOOL = find("promtool")
 def test_prometheus_config_and_alert_rules_pass_promtool(tmp_path):
     rules = tmp_path / "alerts.yml"
     rules.write_text((DOCKER / "prometheus" / "alerts.yml").read_text())
-    cfg = (DOCKER / "prometheus" / "prometheus.yml").read_text().replace("/etc/prometheus/alerts.yml", str(rules))
+    cfg = (DOCKER / "prometheus" / "prometheus.yml").read_text().replace(
+        "/etc/prometheus/alerts.yml", str(rules))
     (tmp_path / "prometheus.yml").write_text(cfg)
-    r = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True)
+    r = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "7 rules found" in r.stdout
 
@@ -157,12 +163,16 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
     # Job names as a ServiceMonitor gives them under Helm (one per Service: <release>-tandem-<x>),
     # not compose's: the dashboard must find the router's job through its variable.
     cfg = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": "rel-tandem-router", "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
-        {"job_name": "rel-tandem-prefill", "static_configs": [{"targets": [f"127.0.0.1:{w.port}" for w in workers[:2]]}]},
-        {"job_name": "rel-tandem-decode", "static_configs": [{"targets": [f"127.0.0.1:{workers[2].port}"]}]}]}
+        {"job_name": "rel-tandem-router",
+         "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
+        {"job_name": "rel-tandem-prefill",
+         "static_configs": [{"targets": [f"127.0.0.1:{w.port}" for w in workers[:2]]}]},
+        {"job_name": "rel-tandem-decode",
+         "static_configs": [{"targets": [f"127.0.0.1:{workers[2].port}"]}]}]}
     (tmp_path / "prom.yml").write_text(yaml.safe_dump(cfg))
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prom.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=open(tmp_path / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     try:
         router.wait_workers(3)
@@ -178,7 +188,8 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
             r = router.client.post("/v1/chat/completions", json={
                 "model": "tiny-random", "messages": msgs[-9:], "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
-            msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            msgs.append({"role": "assistant",
+                         "content": r.json()["choices"][0]["message"]["content"]})
             turn += 1
             try:
                 up = api.get("/api/v1/query", params={"query": "sum(up)"}).json()["data"]["result"]
@@ -194,18 +205,21 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
             time.sleep(0.5)
         assert value is not None, f"no hit ratio from Prometheus (up={up})"
         assert 0 < value < 1  # later turns hit the earlier turns' blocks; the first turn cannot
-        workers_up = api.get("/api/v1/query", params={"query": 'count(tandem_worker_kv_usage)'}).json()
+        workers_up = api.get("/api/v1/query",
+                             params={"query": 'count(tandem_worker_kv_usage)'}).json()
         assert float(workers_up["data"]["result"][0]["value"][1]) == 3
         values = variable_values(api)
         assert values["router_job"] == ["rel-tandem-router"] and values["model"] == ["tiny-random"]
         # Every panel's query is valid PromQL with the variables as Grafana fills them, for "All"
         # and for the one model; the panels of what this traffic produced show data (retries,
         # failures and the like may have no series yet).
-        produced = ("tandem_time_to_first_token_seconds", "tandem_requests_total", "tandem_route_decisions_total",
-                    "tandem_prefix_cache_hit_tokens_total", "tandem_worker_kv_usage", "tandem_live_workers")
+        produced = ("tandem_time_to_first_token_seconds", "tandem_requests_total",
+                    "tandem_route_decisions_total", "tandem_prefix_cache_hit_tokens_total",
+                    "tandem_worker_kv_usage", "tandem_live_workers")
         for model in (".*", "tiny-random"):
             for expr in dashboard_exprs():
-                r = api.get("/api/v1/query", params={"query": substitute(expr, {**values, "model": [model]})})
+                r = api.get("/api/v1/query",
+                            params={"query": substitute(expr, {**values, "model": [model]})})
                 assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
                 if any(name in expr for name in produced):
                     assert r.json()["data"]["result"], (model, expr)

@@ -96,7 +96,8 @@ def test_stop_strings_and_max_model_len(tiny_folder):
     probe.add_request("p", ps[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     text = drive(probe, {})["final"]["p"][1]
     stop = next(text[i:i + 2] for i in range(6, len(text) - 2) if text[i:i + 2].isprintable())
-    reqs = {"stop": (ps[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])),
+    reqs = {"stop": (ps[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                           stop=[stop])),
             "long": (ps[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
             "mid": (ps[1], SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))}
     want, got, engine = both(tiny_folder, {0: adds(reqs)}, max_model_len=40)
@@ -132,7 +133,8 @@ def test_unoverlappable_batches_run_synchronously(tiny_folder):
             "min": (ps[1], SamplingParams(temperature=0, max_tokens=8, min_tokens=8))}
     want, got, engine = both(tiny_folder, {0: adds(reqs)})
     assert got == want and engine.pipeline.num_overlapped_steps == 0
-    engine.add_request("free", ps[2], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+    engine.add_request("free", ps[2],
+                       SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
     drive(engine, {})
     assert engine.pipeline.num_overlapped_steps == 0
 
@@ -167,7 +169,8 @@ def test_overlap_through_the_graph_buckets(tiny_folder, triton_engines):
         results.append(drive(engine, {0: adds(reqs)}))
         assert engine.pool.num_free_blocks == engine.num_blocks
     assert results[0] == results[1]
-    assert results[0]["final"]["r2"][2] == "length" and len(results[0]["final"]["r2"][0]) == 20 - len(ps[2])
+    assert (results[0]["final"]["r2"][2] == "length"
+            and len(results[0]["final"]["r2"][0]) == 20 - len(ps[2]))
     assert triton_engines[1].pipeline.num_overlapped_steps > 5
 
 
@@ -196,7 +199,8 @@ def test_overlap_on_gpu_equals_sync(tiny_folder, triton_kernels):
                ("add", "seeded", ps[3], SamplingParams(temperature=0.9, seed=5, max_tokens=30,
                                                        ignore_eos=True))],
             12: [("abort", "g1")],
-            20: [("add", "late", ps[5], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]}
+            20: [("add", "late", ps[5],
+                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]}
     want, got, engine = both(tiny_folder, plan, device="cuda", dtype="float32", max_num_seqs=8)
     assert got == want
     assert engine.runner.graphs is not None and engine.pipeline.num_overlapped_steps > 20
@@ -209,7 +213,8 @@ def test_an_import_during_overlap_waits_for_the_step_in_flight(tiny_folder):
     engine = engine_for(tiny_folder, True)
     ps = prompts(3)
     for i, p in enumerate(ps[:2]):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20,
+                                                      ignore_eos=True))
     streamed = {}
     for _ in range(4):
         for out in engine.step():
@@ -232,7 +237,8 @@ def test_an_import_during_overlap_waits_for_the_step_in_flight(tiny_folder):
     assert all(streamed[rid] == done[rid] for rid in ("r0", "r1"))
     reference = engine_for(tiny_folder, False)
     for i, p in enumerate(ps[:2]):
-        reference.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        reference.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20,
+                                                         ignore_eos=True))
     assert {rid: o[0] for rid, o in drive(reference, {})["final"].items()} == {
         rid: done[rid] for rid in ("r0", "r1")}
     assert engine.pipeline.num_drains >= 1 and engine.pool.num_free_blocks == engine.num_blocks

@@ -32,9 +32,10 @@ def _hf_greedy(folder, prompt, max_new):
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         # An explicit mask: the pad id may occur in the prompt and would be masked out.
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new, min_new_tokens=max_new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(torch.tensor([prompt]),
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -63,9 +64,11 @@ def test_greedy_matches_transformers(tiny_folder, device):
 
 @pytest.mark.parametrize("device,graphs", [
     ("cpu", False), ("cpu", True),  # the Triton interpreter; graphs: the functions called directly
-    pytest.param("cuda", False, marks=pytest.mark.gpu), pytest.param("cuda", True, marks=pytest.mark.gpu),
+    pytest.param("cuda", False, marks=pytest.mark.gpu),
+    pytest.param("cuda", True, marks=pytest.mark.gpu),
 ])
-def test_greedy_through_triton_kernels_matches_transformers(tiny_folder, triton_kernels, device, graphs):
+def test_greedy_through_triton_kernels_matches_transformers(tiny_folder, triton_kernels,
+                                                            device, graphs):
     llm = LLM(str(tiny_folder), num_blocks=256, block_size=4, device=device, dtype="float32",
               attention_backend="triton", enforce_eager=not graphs, max_num_seqs=4)
     if device == "cpu" and graphs:
@@ -81,8 +84,8 @@ def test_greedy_through_triton_kernels_matches_transformers(tiny_folder, triton_
 def test_qwen2_style_bias_and_llama3_rope_match_transformers(tmp_path):
     from engine.tiny import build_tiny_random
 
-    qwen = build_tiny_random(tmp_path / "qwen", seed=3, config={"model_type": "qwen2",
-                                                                "architectures": ["Qwen2ForCausalLM"]})
+    qwen = build_tiny_random(tmp_path / "qwen", seed=3, config={
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
     llama3 = build_tiny_random(tmp_path / "l3", seed=4, config={
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -153,7 +156,8 @@ def test_chunked_prefill_equals_whole_prefill(tiny_folder):
 def test_abort_frees_all_blocks(tiny_folder):
     engine = LLMEngine(EngineConfig(str(tiny_folder), num_blocks=128, block_size=4))
     for i, p in enumerate(prompts(4)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=100,
+                                                      ignore_eos=True))
     for _ in range(5):
         engine.step()
     assert engine.pool.num_free_blocks < 128
@@ -170,7 +174,8 @@ def test_stop_strings_cut_exactly(llm):
     text = full.text
     # Pick a stop string from the middle of the output; the cut is at its first occurrence.
     stop = next(text[i:i + 2] for i in range(6, len(text) - 2) if text[i:i + 2].isprintable())
-    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                         stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
@@ -191,9 +196,11 @@ def test_seeded_sampling_reproducible_across_batches(llm):
     p = prompts(2)[1]
     params = SamplingParams(temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
     alone = llm.generate(p, params)[0].token_ids
-    mixed = llm.generate([prompts(3)[2], p], [SamplingParams(temperature=1.0, max_tokens=16), params])
+    mixed = llm.generate([prompts(3)[2], p],
+                         [SamplingParams(temperature=1.0, max_tokens=16), params])
     assert mixed[1].token_ids == alone
-    other_seed = llm.generate(p, SamplingParams(temperature=1.0, seed=43, max_tokens=16, ignore_eos=True))
+    other_seed = llm.generate(p, SamplingParams(temperature=1.0, seed=43, max_tokens=16,
+                                                ignore_eos=True))
     assert other_seed[0].token_ids != alone
 
 
@@ -296,11 +303,13 @@ def test_a_held_request_id_cannot_be_reused(tiny_folder):
     from engine.llm_engine import DuplicateRequestId
 
     engine = LLMEngine(EngineConfig(model=str(tiny_folder), num_blocks=64, block_size=4))
-    engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1),
+                       hold_blocks=True)
     run_all(engine)
     used = engine.num_blocks - engine.pool.num_free_blocks
     assert used > 0 and "r" in engine.held
     with pytest.raises(DuplicateRequestId, match="already in use"):
-        engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+        engine.add_request("r", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=1),
+                           hold_blocks=True)
     engine.release("r")
     assert engine.pool.num_free_blocks == engine.num_blocks

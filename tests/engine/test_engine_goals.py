@@ -34,7 +34,8 @@ def test_summary_takes_each_modes_headline_figures():
 
 
 def test_summary_leaves_out_missing_figures_and_shows_errors():
-    res = {"graphs": {"decode_tok_s_b64": 21000.0, "overlapped_steps_b64": 32, "replay_ms_b64": 2.7},
+    res = {"graphs": {"decode_tok_s_b64": 21000.0, "overlapped_steps_b64": 32,
+                      "replay_ms_b64": 2.7},
            "graphs_sync": {"decode_tok_s_b64": 19000.0, "overlapped_steps_b64": 0},
            "eager": {"decode_tok_s_b64": 8000.0, "replay_ms_b64": None},
            "profile_graphs": {"gpu_busy": 0.93, "overlapped_steps": 16, "steps": 16},

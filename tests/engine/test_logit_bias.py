@@ -19,8 +19,9 @@ def test_logit_bias_forces_and_bans_tokens(llm):
     forced = llm.generate("bias me", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                     logit_bias={65: 100.0}))[0]
     assert forced.token_ids == [65] * 8
-    banned = llm.generate("bias me", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                    logit_bias={t: -100.0 for t in set(base.token_ids)}))[0]
+    banned = llm.generate("bias me", SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True,
+        logit_bias={t: -100.0 for t in set(base.token_ids)}))[0]
     assert not set(banned.token_ids) & set(base.token_ids)
     for seed in range(3):  # sampled too
         out = llm.generate("bias me", SamplingParams(temperature=1.0, seed=seed, max_tokens=6,
@@ -45,7 +46,8 @@ def test_min_tokens_holds_off_eos_and_stop_tokens(llm):
 
 
 def test_openai_fields_parse_string_token_ids():
-    body = CompletionRequest(model="m", prompt="hi", logit_bias={"42": -100, "7": 5.5}, min_tokens=2)
+    body = CompletionRequest(model="m", prompt="hi", logit_bias={"42": -100, "7": 5.5},
+                             min_tokens=2)
     opts = body.sampling_options(16)
     assert opts.logit_bias == {42: -100.0, 7: 5.5} and opts.min_tokens == 2
     with pytest.raises(ValueError):

@@ -90,10 +90,12 @@ def test_a_resumed_sequence_waits_for_a_free_slot():
 
 
 def engine(folder, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(str(folder), num_blocks=kw.pop("num_blocks", 256), block_size=BLOCK, **kw))
+    return LLMEngine(EngineConfig(str(folder), num_blocks=kw.pop("num_blocks", 256),
+                                  block_size=BLOCK, **kw))
 
 
-def run(e: LLMEngine, park: dict[int, list[tuple[str, bool]]] | None = None) -> dict[str, list[int]]:
+def run(e: LLMEngine,
+        park: dict[int, list[tuple[str, bool]]] | None = None) -> dict[str, list[int]]:
     """Every request's tokens; `park[k]`: (request, parked) changes before step k."""
     for rid, prompt in PROMPTS.items():
         e.add_request(rid, prompt, GREEDY)
@@ -170,7 +172,8 @@ def test_the_stream_parks_past_the_bound_and_resumes_at_half():
 def test_a_stream_parked_too_long_is_aborted_and_ended():
     async def main():
         posted = []
-        s = OutputStream("r", lambda *a: posted.append(a), max_unread_tokens=2, parked_timeout_s=0.05)
+        s = OutputStream("r", lambda *a: posted.append(a), max_unread_tokens=2,
+                         parked_timeout_s=0.05)
         for i in range(3):
             s.put(output(i + 1))
         while posted[-1][0] != "abort_request":

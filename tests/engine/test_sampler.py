@@ -74,7 +74,8 @@ def test_penalties_push_away_from_seen_tokens():
     greedy_plain = Sampler()(lg, [seq(SamplingParams(temperature=0), outputs=[0])])[0]
     assert greedy_plain == [0]
     assert Sampler()(lg, [seq(SamplingParams(temperature=0, presence_penalty=0.5), [0])])[0] == [1]
-    assert Sampler()(lg, [seq(SamplingParams(temperature=0, frequency_penalty=0.05), [0, 0, 0])])[0] == [1]
+    assert Sampler()(lg, [seq(SamplingParams(temperature=0, frequency_penalty=0.05),
+                              [0, 0, 0])])[0] == [1]
     # Negative penalties encourage repetition.
     assert Sampler()(lg, [seq(SamplingParams(temperature=0, presence_penalty=-1.0), [1])])[0] == [1]
 
@@ -93,8 +94,9 @@ def test_logprobs_are_normalised_with_top_n():
     "kwargs, field",
     [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.1}, "top_p"),
      ({"top_k": 0}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-     ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids")],
+     ({"presence_penalty": 2.5}, "presence_penalty"),
+     ({"frequency_penalty": -3}, "frequency_penalty"), ({"logprobs": 21}, "logprobs"),
+     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids")],
 )
 def test_bad_params_raise_clear_errors(kwargs, field):
     with pytest.raises(ValueError, match=f"invalid sampling parameter {field}"):

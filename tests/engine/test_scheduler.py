@@ -50,7 +50,8 @@ def test_without_a_threshold_prompts_share_the_budget():
 def test_outputs_do_not_depend_on_the_prefill_order(tiny_folder):
     prompts = [[(13 * (i + 1) * (j + 3)) % 256 for j in range(60 + 9 * i)] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    one_by_one = LLM(str(tiny_folder), num_blocks=512, block_size=4, long_prefill_token_threshold=32)
+    one_by_one = LLM(str(tiny_folder), num_blocks=512, block_size=4,
+                     long_prefill_token_threshold=32)
     packed = LLM(str(tiny_folder), num_blocks=512, block_size=4, long_prefill_token_threshold=None)
     a = [o.token_ids for o in one_by_one.generate(prompts, params)]
     b = [o.token_ids for o in packed.generate(prompts, params)]

@@ -39,7 +39,8 @@ def reference(hf, prompt_ids):
     out = []
     with torch.no_grad():
         for p in prompt_ids:
-            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = hf.generate(torch.tensor([p]),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=64, min_new_tokens=64, do_sample=False,
                               eos_token_id=None, pad_token_id=2)
             out.append(ids[0, len(p):].tolist())

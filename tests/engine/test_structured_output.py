@@ -15,7 +15,8 @@ from common.structured import StructuredFields, compile_grammar
 from engine import LLM, SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
-          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+          "properties": {"ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999},
                          "tag": {"enum": ["red", "green", "blue"]}}}
 
 
@@ -26,7 +27,8 @@ def llm(tiny_folder):
 
 def constrained(kind: str, spec, **kw) -> SamplingParams:
     spec = spec if isinstance(spec, str) else json.dumps(spec)
-    return SamplingParams(max_tokens=kw.pop("max_tokens", 64), structured=StructuredOutput(kind=kind, spec=spec), **kw)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 64),
+                          structured=StructuredOutput(kind=kind, spec=spec), **kw)
 
 
 def test_unconstrained_tiny_random_output_is_noise(llm):
@@ -48,7 +50,8 @@ def test_regex_and_choice(llm):
     out = llm.generate("x", constrained("regex", r"[0-9]{3}-[a-c]{2}", temperature=1.0, seed=3))[0]
     assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", out.text) and out.finish_reason == "stop"
     for seed in range(4):
-        out = llm.generate("y", constrained("choice", ["alpha", "beta"], temperature=1.0, seed=seed))[0]
+        out = llm.generate("y", constrained("choice", ["alpha", "beta"], temperature=1.0,
+                                            seed=seed))[0]
         assert out.text in ("alpha", "beta")
 
 
@@ -85,8 +88,10 @@ def test_request_fields_become_one_constraint():
     assert not StructuredFields(response_format={"type": "text"}).constrained()
     assert StructuredFields(guided_regex="a+").constrained()
     assert StructuredFields(response_format={"type": "json_object"}).constrained()
-    assert of(response_format={"type": "json_object"}) == StructuredOutput(kind="json", spec='{"type": "object"}')
-    got = of(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
+    assert (of(response_format={"type": "json_object"})
+            == StructuredOutput(kind="json", spec='{"type": "object"}'))
+    got = of(response_format={"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
     assert got.kind == "json" and json.loads(got.spec) == SCHEMA
     assert of(guided_choice=["a", "b"]).kind == "choice"
     assert of(guided_regex="a+").spec == "a+"

@@ -37,7 +37,8 @@ def tables_for(lens, num_blocks, seed=1):
     width = max(-(-n // BLOCK_SIZE) for n in lens)
     needed = sum(-(-n // BLOCK_SIZE) for n in lens)
     if needed > num_blocks:
-        raise ValueError(f"lens {lens} need {needed} blocks of {BLOCK_SIZE}, the cache has {num_blocks}")
+        raise ValueError(f"lens {lens} need {needed} blocks of {BLOCK_SIZE}, "
+                         f"the cache has {num_blocks}")
     perm = torch.randperm(num_blocks, generator=g).tolist()
     rows = []
     for n in lens:
@@ -106,9 +107,10 @@ def test_store_writes_slots_like_write_kv_and_skips_padding(triton_kernels, devi
     slots = torch.tensor([9, -1, 40, 3, -1], device=device)  # block * 4 + offset
     triton_kernels.store_kv(ours[:, 2], k, v, slots)
     keep = slots >= 0
-    meta = AttentionMetadata(slot_blocks=slots[keep] // BLOCK_SIZE, slot_offsets=slots[keep] % BLOCK_SIZE,
-                             num_decode_tokens=0, decode_block_tables=None,
-                             decode_context_lens=None, decode_mask=None, prefills=[])
+    meta = AttentionMetadata(slot_blocks=slots[keep] // BLOCK_SIZE,
+                             slot_offsets=slots[keep] % BLOCK_SIZE, num_decode_tokens=0,
+                             decode_block_tables=None, decode_context_lens=None, decode_mask=None,
+                             prefills=[])
     write_kv(ref[:, 2], k[keep], v[keep], meta)
     assert torch.equal(ours, ref)
     assert not torch.equal(ours, cache)  # something was written

@@ -30,7 +30,8 @@ PREFIX = "@@ "
 SHAPE = dict(num_layers=4, block_size=16, num_kv_heads=3, head_dim=64)
 
 
-def make_cache(num_blocks: int, seed: int, dtype=torch.float16, block_size: int | None = None) -> torch.Tensor:
+def make_cache(num_blocks: int, seed: int, dtype=torch.float16,
+               block_size: int | None = None) -> torch.Tensor:
     """Seeded cache content; the tests rebuild it to know every expected byte."""
     s = SHAPE
     g = torch.Generator().manual_seed(seed)
@@ -72,7 +73,8 @@ async def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--staging", default="auto")
     ap.add_argument("--staging-bytes", type=int, default=512 << 20)
-    ap.add_argument("--pipeline-part-bytes", type=int, default=0, help="nixl: READ parts (0: default)")
+    ap.add_argument("--pipeline-part-bytes", type=int, default=0,
+                    help="nixl: READ parts (0: default)")
     args = ap.parse_args()
     cache = make_cache(args.num_blocks, args.seed, block_size=args.block_size).to(args.device)
     layout = KVLayout.of_cache(cache, args.model_id)
@@ -126,7 +128,8 @@ async def main() -> None:
             return {"netdev": open("/proc/net/dev").read()}
         raise ValueError(f"unknown command {op}")
 
-    print(PREFIX + json.dumps({"ready": True, "url": f"http://{args.host}:{port}", "port": port}), flush=True)
+    print(PREFIX + json.dumps({"ready": True, "url": f"http://{args.host}:{port}", "port": port}),
+          flush=True)
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)

@@ -51,7 +51,8 @@ class Peer:
             err = ""
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read()
-            raise TimeoutError(f"peer gave no answer in {timeout} s; stderr: {err[-2000:]}") from None
+            raise TimeoutError(f"peer gave no answer in {timeout} s; "
+                               f"stderr: {err[-2000:]}") from None
 
     def send(self, cmd: str, timeout: float = 60, **kwargs) -> dict:
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")

@@ -1,4 +1,5 @@
-"""Kernel references on CPU; the CUDA kernels compile here (nvcc) and match the references on a GPU."""
+"""Kernel references on CPU; the CUDA kernels compile here (nvcc) and match the references on a GPU.
+"""
 
 import subprocess
 
@@ -96,7 +97,8 @@ def test_a_library_of_another_abi_is_never_called(tmp_path, monkeypatch):
     if shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     src = tmp_path / "old.c"
-    src.write_text("int tandem_kv_abi(void) { return 1; }\nint tandem_gather_blocks(void) { return 0; }\n")
+    src.write_text("int tandem_kv_abi(void) { return 1; }\nint tandem_gather_blocks(void) "
+                   "{ return 0; }\n")
     lib = tmp_path / "libtandem_kv.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     monkeypatch.setattr(kernels, "library_path", lambda: lib)
@@ -141,7 +143,8 @@ def test_gpu_kernels_match_references(cuda_lib, dtype):
     kernels.scatter_blocks(dst_k, [1, 2, 3, 4, 5, 6], staging_k, use_kernel=True)
     kernels.scatter_blocks(dst_r, [1, 2, 3, 4, 5, 6], staging_r, use_kernel=False)
     assert torch.equal(dst_k, dst_r)
-    assert torch.equal(kernels.nhd_to_hnd(staging_k, use_kernel=True), kernels.nhd_to_hnd_ref(staging_k))
+    assert torch.equal(kernels.nhd_to_hnd(staging_k, use_kernel=True),
+                       kernels.nhd_to_hnd_ref(staging_k))
     hnd = kernels.nhd_to_hnd_ref(staging_k)
     assert torch.equal(kernels.hnd_to_nhd(hnd, use_kernel=True), staging_k)
     qr, sr = kernels.fp8_pack(staging_k, use_kernel=False)
@@ -152,7 +155,8 @@ def test_gpu_kernels_match_references(cuda_lib, dtype):
     assert torch.equal(kernels.fp8_unpack(qk, sk, dtype, use_kernel=True),
                        kernels.fp8_unpack(qr, sr, dtype, use_kernel=False))
     for chunk in (16, 4096, 100_000):  # chunk sizes that split blocks unevenly
-        assert torch.equal(kernels.gather_blocks(c, ids, use_kernel=True, chunk_bytes=chunk), staging_r)
+        assert torch.equal(kernels.gather_blocks(c, ids, use_kernel=True, chunk_bytes=chunk),
+                           staging_r)
 
 
 @pytest.mark.gpu
@@ -185,6 +189,8 @@ def test_the_build_module_needs_no_torch_and_agrees_with_the_loader():
 
     assert build.LIBRARY == library_path()
     code = ("import sys, runpy; sys.modules['torch'] = None; "
-            "sys.argv = ['build', '--help']; runpy.run_module('kv_transfer.build', run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=build.SOURCE.parents[2])
+            "sys.argv = ['build', '--help']; runpy.run_module('kv_transfer.build', "
+            "run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=build.SOURCE.parents[2])
     assert r.returncode == 0 and "--arch" in r.stdout, r.stderr

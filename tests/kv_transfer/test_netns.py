@@ -69,7 +69,8 @@ def test_transfer_crosses_the_veth_link(netns_pair, transport, tmp_path):
         blocks = list(range(0, 256, 2))
         sender.send("export", request_id="net-1", block_ids=blocks)
         before = rx_bytes(receiver, dev_b)
-        stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="net-1", remote_block_ids=blocks,
+        stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id,
+                              request_id="net-1", remote_block_ids=blocks,
                               local_block_ids=list(range(128)))
         assert "error" not in stats, stats
         moved = stats["num_bytes"]

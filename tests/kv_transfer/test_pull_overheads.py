@@ -64,7 +64,8 @@ def test_wait_xfer_times_out_and_reports_errors():
     with pytest.raises(TransferTimeout, match="read"):
         asyncio.run(nixl_agent.wait_xfer(FakeAgent(checks=None), None, 0.01, 0.001, "read"))
     with pytest.raises(TransferError, match="state ERR"):
-        asyncio.run(nixl_agent.wait_xfer(FakeAgent(checks=3, final="ERR"), None, 1.0, 0.001, "read"))
+        asyncio.run(nixl_agent.wait_xfer(FakeAgent(checks=3, final="ERR"), None, 1.0,
+                                         0.001, "read"))
 
 
 class FakeEvent:
@@ -111,7 +112,8 @@ def test_staged_slots_checked_once_into_an_int32_array():
 
 def test_block_ids_reach_the_kernels_as_int64_from_lists_arrays_and_tensors():
     cache = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
-    for ids in ([5, 0, 3], np.array([5, 0, 3], dtype=np.int32), torch.tensor([5, 0, 3], dtype=torch.int32)):
+    for ids in ([5, 0, 3], np.array([5, 0, 3], dtype=np.int32),
+                torch.tensor([5, 0, 3], dtype=torch.int32)):
         got = kernels._ids(ids, cache.device)
         assert got.dtype == torch.int64 and got.tolist() == [5, 0, 3]
         out = kernels.gather_blocks(cache, ids)

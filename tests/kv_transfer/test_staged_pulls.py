@@ -11,20 +11,22 @@ from kv_transfer.nixl_transport import nixl_available
 from tests.kv_transfer.peer import SHAPE, block_digests, make_cache
 from tests.kv_transfer.peers import Peer, wait_for
 
-pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 is not installed")]
-BLOCK_BYTES = SHAPE["num_layers"] * 2 * SHAPE["block_size"] * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
+pytestmark = [pytest.mark.nixl,
+              pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 is not installed")]
+BLOCK_BYTES = (SHAPE["num_layers"] * 2 * SHAPE["block_size"] * SHAPE["num_kv_heads"]
+               * SHAPE["head_dim"] * 2)
 SRC = [5, 40, 7, 30, 2, 63, 11, 12, 13, 50]  # scattered, one run of three
 DST = [10, 3, 12, 0, 47, 20, 33, 34, 35, 1]
 
 
-def pair(device="cpu", sender_staging="always", receiver_staging="always", env=None, part_blocks=None,
-         **sender_opts):
+def pair(device="cpu", sender_staging="always", receiver_staging="always", env=None,
+         part_blocks=None, **sender_opts):
     """`part_blocks`: the receiver READs into its staging slots in parts of this many blocks."""
     sender = Peer("nixl", "P", num_blocks=64, seed=1, device=device, staging=sender_staging,
                   env=env, **sender_opts)
     parts = {} if part_blocks is None else {"pipeline_part_bytes": part_blocks * BLOCK_BYTES}
-    receiver = Peer("nixl", "D", num_blocks=48, seed=2, device=device, staging=receiver_staging, env=env,
-                    **parts)
+    receiver = Peer("nixl", "D", num_blocks=48, seed=2, device=device,
+                    staging=receiver_staging, env=env, **parts)
     return sender, receiver
 
 
@@ -42,8 +44,9 @@ def pull_all_plans(sender, receiver):
     exported = sender.send("export", request_id="both", block_ids=SRC)
     start = exported["remote_staging_start"]
     assert sender.send("state")["staging_slots"] == len(SRC)
-    stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="both", remote_block_ids=SRC,
-                          local_block_ids=DST, staged_slots=list(range(start, start + len(SRC))))
+    stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="both",
+                          remote_block_ids=SRC, local_block_ids=DST,
+                          staged_slots=list(range(start, start + len(SRC))))
     assert "error" not in stats, stats
     out.append((stats["plan"], stats["label"]))
     assert stats["num_descriptors"] == 1
@@ -52,8 +55,8 @@ def pull_all_plans(sender, receiver):
     # A partial pull of a staged export (the receiver had the first four blocks): slots offset.
     exported = sender.send("export", request_id="part", block_ids=SRC)
     start = exported["remote_staging_start"]
-    stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="part", remote_block_ids=SRC[4:],
-                          local_block_ids=[40, 41, 42, 43, 44, 45],
+    stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="part",
+                          remote_block_ids=SRC[4:], local_block_ids=[40, 41, 42, 43, 44, 45],
                           staged_slots=list(range(start + 4, start + len(SRC))))
     assert "error" not in stats, stats
     out.append((stats["plan"], stats["label"]))
@@ -95,8 +98,8 @@ def test_auto_keeps_cpu_pulls_per_descriptor_and_reads_staged_slots_only_when_as
         exported = sender.send("export", request_id="a", block_ids=SRC)
         assert "remote_staging_start" not in exported  # CPU caches: not worth a copy
         before = receiver.send("digest")["digests"]
-        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="a", remote_block_ids=SRC,
-                              local_block_ids=DST)
+        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="a",
+                              remote_block_ids=SRC, local_block_ids=DST)
         assert stats["plan"] == "direct" and stats["num_descriptors"] == 8
         check_moved(receiver, SRC, DST, before)
     finally:
@@ -106,8 +109,8 @@ def test_auto_keeps_cpu_pulls_per_descriptor_and_reads_staged_slots_only_when_as
 
 def test_staging_slots_are_freed_on_expiry_cancel_and_when_full():
     # Room for 12 blocks of staging: the second export of 10 does not fit and goes unstaged.
-    sender = Peer("nixl", "P", num_blocks=64, seed=1, staging="always", staging_bytes=12 * BLOCK_BYTES,
-                  lease_seconds=30)
+    sender = Peer("nixl", "P", num_blocks=64, seed=1, staging="always",
+                  staging_bytes=12 * BLOCK_BYTES, lease_seconds=30)
     try:
         first = sender.send("export", request_id="x", block_ids=SRC, lease_seconds=0.3)
         second = sender.send("export", request_id="y", block_ids=SRC)
@@ -130,8 +133,9 @@ def test_refused_and_abandoned_pulls_leak_no_staging():
     try:
         exported = sender.send("export", request_id="bad", block_ids=SRC, lease_seconds=0.5)
         start = exported["remote_staging_start"]
-        out = receiver.send("pull", url=sender.url, engine_id="P", request_id="bad", remote_block_ids=SRC,
-                            local_block_ids=DST, staged_slots=list(range(start + 60, start + 70)))
+        out = receiver.send("pull", url=sender.url, engine_id="P", request_id="bad",
+                            remote_block_ids=SRC, local_block_ids=DST,
+                            staged_slots=list(range(start + 60, start + 70)))
         assert out["error"] == "BlockRangeError" and "staged slots" in out["message"]
         assert receiver.send("state")["staging_slots"] == 0
         state = wait_for(lambda: (s := sender.send("state"))["expired"] == 1 and s)
@@ -176,13 +180,14 @@ def test_gpu_auto_plans_stage_scattered_vram_pulls():
         exported = sender.send("export", request_id="g", block_ids=src)
         start = exported["remote_staging_start"]
         before = receiver.send("digest")["digests"]
-        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="g", remote_block_ids=src,
-                              local_block_ids=dst, staged_slots=list(range(start, start + 24)))
+        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="g",
+                              remote_block_ids=src, local_block_ids=dst,
+                              staged_slots=list(range(start, start + 24)))
         assert stats["plan"] == "staged_both" and stats["label"] == "ucx:cuda_ipc", stats
         check_moved(receiver, src, dst, before)
         sender.send("export", request_id="one", block_ids=[9])
-        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="one", remote_block_ids=[9],
-                              local_block_ids=[1])
+        stats = receiver.send("pull", url=sender.url, engine_id="P", request_id="one",
+                              remote_block_ids=[9], local_block_ids=[1])
         assert stats["plan"] == "direct" and stats["num_descriptors"] == 1
     finally:
         sender.close()

@@ -71,17 +71,20 @@ def test_planner_stages_scattered_gpu_pulls_and_keeps_few_blocks_direct(block_by
     scattered = random.Random(2).sample(range(10_000), 256)
     local = random.Random(3).sample(range(10_000), 256)
     slots = list(range(40, 296))
-    plan = plan_pull(scattered, local, block_bytes, gpu, staged_slots=slots, local_staging_free=True)
+    plan = plan_pull(scattered, local, block_bytes, gpu, staged_slots=slots,
+                     local_staging_free=True)
     assert plan.kind == "staged_both" and plan.num_descriptors == 1
     # Without local staging room the sender's slots still save the remote side's runs only.
     plan = plan_pull(scattered, list(range(256)), block_bytes, gpu, staged_slots=slots)
     assert plan.kind == "staged_source" and plan.num_descriptors == 1
     # One block, or a contiguous run, is one descriptor already: no copy pays for itself.
-    assert plan_pull([7], [9], block_bytes, gpu, staged_slots=[0], local_staging_free=True).kind == "direct"
+    assert (plan_pull([7], [9], block_bytes, gpu, staged_slots=[0], local_staging_free=True).kind
+            == "direct")
     run = list(range(100, 356))
     assert plan_pull(run, list(range(256)), block_bytes, gpu, staged_slots=slots,
                      local_staging_free=True).kind == "direct"
-    assert stage_at_export(scattered, block_bytes, gpu) and not stage_at_export(run, block_bytes, gpu)
+    assert (stage_at_export(scattered, block_bytes, gpu)
+            and not stage_at_export(run, block_bytes, gpu))
     assert not stage_at_export([3, 9], block_bytes, gpu)
 
 
@@ -94,10 +97,12 @@ def test_planner_keeps_cpu_caches_per_descriptor_unless_forced():
     assert not stage_at_export(scattered, SMOL_BLOCK, cpu)
     forced = plan_pull(scattered, scattered, SMOL_BLOCK, cpu, "always", list(range(64)), True)
     assert forced.kind == "staged_both"
-    assert plan_pull(scattered, scattered, SMOL_BLOCK, cpu, "always", None, True).kind == "staged_local"
+    assert (plan_pull(scattered, scattered, SMOL_BLOCK, cpu, "always", None, True).kind
+            == "staged_local")
     assert plan_pull(scattered, scattered, SMOL_BLOCK, COSTS["cuda"], "never", list(range(64)),
                      True).kind == "direct"
-    assert stage_at_export([1], SMOL_BLOCK, cpu, "always") and not stage_at_export(scattered, SMOL_BLOCK, cpu, "never")
+    assert (stage_at_export([1], SMOL_BLOCK, cpu, "always")
+            and not stage_at_export(scattered, SMOL_BLOCK, cpu, "never"))
     with pytest.raises(ValueError, match="unknown staging mode"):
         plan_pull([1], [1], SMOL_BLOCK, cpu, "sometimes")
 
@@ -149,15 +154,17 @@ def test_lane_is_read_from_the_proto_info_tables(tmp_path):
     real.write_text(TABLES.split("| remote memory read by ucp_get*(multi) into cuda")[0])
     assert reader.refresh() == "cma"  # no cuda table yet: any read table
     with real.open("a") as f:
-        f.write("[1.1] [h:1 :0]   | remote memory read by ucp_get*(multi) into cuda memory from cuda |\n"
-                "[1.1] [h:1 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n")
+        f.write("[1.1] [h:1 :0]   | remote memory read by ucp_get*(multi) into cuda memory from "
+                "cuda |\n[1.1] [h:1 :0]   | 0..inf | zero-copy   | cuda_ipc/cuda |\n")
     assert reader.refresh() == "cuda_ipc"  # read incrementally
 
 
 def test_pipeline_parts_split_a_pull_into_whole_block_reads():
     mib = 1 << 20
-    assert pipeline_parts(256, 368_640, 16 * mib) == [(i, 52) for i in range(0, 208, 52)] + [(208, 48)]
-    assert pipeline_parts(4096, 2 * mib, 16 * mib, max_parts=8) == [(i, 512) for i in range(0, 4096, 512)]
+    assert (pipeline_parts(256, 368_640, 16 * mib)
+            == [(i, 52) for i in range(0, 208, 52)] + [(208, 48)])
+    assert (pipeline_parts(4096, 2 * mib, 16 * mib, max_parts=8)
+            == [(i, 512) for i in range(0, 4096, 512)])
     assert pipeline_parts(1, 2 * mib, 1) == [(0, 1)]  # never more parts than blocks
     assert pipeline_parts(10, 100, 16 * mib) == [(0, 10)]  # small: one READ
     assert pipeline_parts(0, 100) == []
@@ -166,7 +173,7 @@ def test_pipeline_parts_split_a_pull_into_whole_block_reads():
     assert pipeline_parts(256, 368_640) == [(0, 256)]
     assert len(pipeline_parts(4096, 368_640)) == 8
     for n, parts in ((10, pipeline_parts(10, 100, 300)), (4095, pipeline_parts(4095, 2 * mib))):
-        assert sum(c for _, c in parts) == n and all(f == sum(c for _, c in parts[:i]) for i, (f, _) in
-                                                      enumerate(parts))
+        assert (sum(c for _, c in parts) == n
+                and all(f == sum(c for _, c in parts[:i]) for i, (f, _) in enumerate(parts)))
     with pytest.raises(ValueError):
         pipeline_parts(4, 100, 0)

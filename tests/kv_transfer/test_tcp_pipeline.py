@@ -69,8 +69,10 @@ async def roundtrip(fp8: bool, send_chunk: int, recv_chunk: int, wire_chunk: int
 
 
 @pytest.mark.parametrize("send_chunk,recv_chunk,wire_chunk", [
-    (1, 1, None), (3 * 49_152, 5 * 49_152, None), (1 << 20, 2 * 49_152, 7_000), (5 * 49_152, 1, 4_096)])
-def test_units_of_different_sizes_on_each_side_land_every_block_bit_exact(send_chunk, recv_chunk, wire_chunk):
+    (1, 1, None), (3 * 49_152, 5 * 49_152, None), (1 << 20, 2 * 49_152, 7_000),
+    (5 * 49_152, 1, 4_096)])
+def test_units_of_different_sizes_on_each_side_land_every_block_bit_exact(
+        send_chunk, recv_chunk, wire_chunk):
     src, dst = asyncio.run(roundtrip(False, send_chunk, recv_chunk, wire_chunk))
     before = make_cache(64, seed=2)
     assert torch.equal(dst[DST], src[SRC])
@@ -88,9 +90,12 @@ def test_fp8_records_carry_each_blocks_scales():
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])
 def test_staged_tcp_pull_between_processes_is_bit_exact(chunk_bytes):
-    """CPU twin of a CUDA cache's TCP path: both sides staged, unit sizes from different chunk sizes."""
-    sender = Peer("tcp", "P1", num_blocks=64, seed=3, token=TOKEN, chunk_bytes=chunk_bytes, staging="always")
-    receiver = Peer("tcp", "D1", num_blocks=64, seed=4, token=TOKEN, staging="always", chunk_bytes=3 * 49_152)
+    """CPU twin of a CUDA cache's TCP path: both sides staged, unit sizes from different chunk
+    sizes."""
+    sender = Peer("tcp", "P1", num_blocks=64, seed=3, token=TOKEN, chunk_bytes=chunk_bytes,
+                  staging="always")
+    receiver = Peer("tcp", "D1", num_blocks=64, seed=4, token=TOKEN, staging="always",
+                    chunk_bytes=3 * 49_152)
     try:
         before = receiver.send("digest")["digests"]
         sender.send("export", request_id="staged", block_ids=SRC)
@@ -108,11 +113,13 @@ def test_staged_tcp_pull_between_processes_is_bit_exact(chunk_bytes):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sender_device,receiver_device,fp8", [
-    ("cuda", "cuda", False), ("cuda", "cpu", False), ("cpu", "cuda", False), ("cuda", "cuda", True)])
+    ("cuda", "cuda", False), ("cuda", "cpu", False), ("cpu", "cuda", False),
+    ("cuda", "cuda", True)])
 def test_gpu_tcp_pulls_from_and_into_vram(sender_device, receiver_device, fp8):
-    sender = Peer("tcp", "P2", num_blocks=64, seed=3, token=TOKEN, device=sender_device, chunk_bytes=5 * 49_152)
-    receiver = Peer("tcp", "D2", num_blocks=64, seed=4, token=TOKEN, device=receiver_device, fp8=fp8,
-                    chunk_bytes=3 * 49_152)
+    sender = Peer("tcp", "P2", num_blocks=64, seed=3, token=TOKEN, device=sender_device,
+                  chunk_bytes=5 * 49_152)
+    receiver = Peer("tcp", "D2", num_blocks=64, seed=4, token=TOKEN,
+                    device=receiver_device, fp8=fp8, chunk_bytes=3 * 49_152)
     try:
         sender.send("export", request_id="g", block_ids=SRC)
         stats = receiver.send("pull", url=sender.url, engine_id="P2", request_id="g",

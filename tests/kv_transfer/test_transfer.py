@@ -87,8 +87,8 @@ def test_killed_receiver_leaks_nothing(transport):
     try:
         blocks = list(range(512))
         sender.send("export", request_id="doomed", block_ids=blocks, lease_seconds=1.0)
-        receiver.send_nowait("pull", url=sender.url, engine_id=sender.engine_id, request_id="doomed",
-                             remote_block_ids=blocks, local_block_ids=blocks)
+        receiver.send_nowait("pull", url=sender.url, engine_id=sender.engine_id,
+                             request_id="doomed", remote_block_ids=blocks, local_block_ids=blocks)
         time.sleep(0.05)
         receiver.kill()
         state = wait_for(lambda: (s := sender.send("state"))["leases"] == 0 and s, timeout=10)
@@ -97,8 +97,8 @@ def test_killed_receiver_leaks_nothing(transport):
         fresh = Peer(transport, "D3", num_blocks=8, seed=3)
         try:
             sender.send("export", request_id="next", block_ids=[7])
-            stats = fresh.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="next", remote_block_ids=[7],
-                               local_block_ids=[0])
+            stats = fresh.send("pull", url=sender.url, engine_id=sender.engine_id,
+                               request_id="next", remote_block_ids=[7], local_block_ids=[0])
             assert "error" not in stats, stats
             assert fresh.send("digest")["digests"][0] == block_digests(make_cache(512, seed=1))[7]
         finally:
@@ -112,8 +112,8 @@ def test_layout_mismatch_is_refused_with_what_differs(transport):
     receiver = Peer(transport, "D4", num_blocks=16, seed=2, block_size=32, model_id="other")
     try:
         sender.send("export", request_id="r", block_ids=[1])
-        out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1],
-                            local_block_ids=[1])
+        out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r",
+                            remote_block_ids=[1], local_block_ids=[1])
         assert out["error"] == "LayoutMismatch"
         assert "block_size: 32 here vs 16 at the peer" in out["message"]
         assert "model_id: 'other' here vs 'test-model' at the peer" in out["message"]
@@ -128,12 +128,14 @@ def test_out_of_range_block_ids_are_refused(pair):
     sender, receiver = pair
     before = receiver.send("digest")["digests"]
     sender.send("export", request_id="r", block_ids=[1, 2])
-    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1, 64],
-                        local_block_ids=[0, 1])
-    assert out["error"] == "BlockRangeError" and "remote block ids out of range [0, 64): [64]" in out["message"]
-    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r", remote_block_ids=[1, 2],
-                        local_block_ids=[0, 48])
-    assert out["error"] == "BlockRangeError" and "local block ids out of range [0, 48)" in out["message"]
+    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r",
+                        remote_block_ids=[1, 64], local_block_ids=[0, 1])
+    assert (out["error"] == "BlockRangeError"
+            and "remote block ids out of range [0, 64): [64]" in out["message"])
+    out = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="r",
+                        remote_block_ids=[1, 2], local_block_ids=[0, 48])
+    assert (out["error"] == "BlockRangeError"
+            and "local block ids out of range [0, 48)" in out["message"])
     assert receiver.send("digest")["digests"] == before
     out = sender.send("export", request_id="bad", block_ids=[-1])
     assert out["error"] == "BlockRangeError"
@@ -145,12 +147,14 @@ def test_metadata_endpoint_requires_the_internal_token(pair, transport):
 
     sender, _ = pair
     assert httpx.get(f"{sender.url}/kv/metadata").status_code == 401
-    assert httpx.get(f"{sender.url}/kv/metadata", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(f"{sender.url}/kv/metadata",
+                     headers={"Authorization": "Bearer nope"}).status_code == 401
     ok = httpx.get(f"{sender.url}/kv/metadata", headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json()["layout"]["num_blocks"] == 64
     wrong = Peer(transport, "D9", num_blocks=8, seed=2, token="wrong")
     try:
-        out = wrong.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="x", remote_block_ids=[1], local_block_ids=[1])
+        out = wrong.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="x",
+                         remote_block_ids=[1], local_block_ids=[1])
         assert out["error"] == "TransferError" and "HTTP 401" in out["message"]
     finally:
         wrong.close()
@@ -163,8 +167,8 @@ def test_tcp_fp8_packing_halves_bytes_within_e4m3_error():
     receiver = Peer("tcp", "D5", num_blocks=16, seed=2, fp8=True)
     try:
         sender.send("export", request_id="f", block_ids=[3, 4])
-        stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="f", remote_block_ids=[3, 4],
-                              local_block_ids=[0, 1])
+        stats = receiver.send("pull", url=sender.url, engine_id=sender.engine_id, request_id="f",
+                              remote_block_ids=[3, 4], local_block_ids=[0, 1])
         full = 2 * 4 * 2 * 16 * 3 * 64 * 2
         assert stats["label"] == "tcp+fp8" and stats["num_bytes"] == full // 2 + 2 * 4 * 2 * 4
         got = torch.tensor(receiver.send("blocks", block_ids=[0, 1])["values"])

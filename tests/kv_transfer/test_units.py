@@ -114,8 +114,9 @@ def test_lease_watcher_wakes_as_soon_as_blocks_are_exported():
 
     async def run() -> None:
         cache = torch.zeros(8, 2, 2, 4, 2, 8, dtype=torch.float16)
-        connector = KVConnector(cache, KVLayout.of_cache(cache, "m"), TransportConfig(engine_id="e"),
-                                "tcp", lambda rid: None, idle_interval_s=60.0)
+        connector = KVConnector(cache, KVLayout.of_cache(cache, "m"),
+                                TransportConfig(engine_id="e"), "tcp", lambda rid: None,
+                                idle_interval_s=60.0)
         await connector.start()
         try:
             polls = []

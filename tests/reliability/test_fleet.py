@@ -25,7 +25,8 @@ from testing.processes import ROOT
 from testing.redis_cluster import LocalRedisCluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+              pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server not installed")]
 
 PACKS = [("prefill", 8)] * 2 + [("decode", 8)] * 6
 
@@ -40,7 +41,8 @@ def _pack(role: str, count: int, folder: Path, url: str, ns: str, log: Path) -> 
 
 def _ask(router: Router, prompt: str) -> dict:
     r = httpx.post(f"{router.url}/v1/completions", timeout=60,
-                   json={"model": "tiny-random", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+                   json={"model": "tiny-random", "prompt": prompt, "max_tokens": 6,
+                         "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
 

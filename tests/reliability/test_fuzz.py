@@ -49,7 +49,8 @@ def assert_baseline(*workers: Worker, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while True:
             s = w.metrics()
-            if (s["tandem_worker_running_requests"] == 0 and s["tandem_worker_waiting_requests"] == 0
+            if (s["tandem_worker_running_requests"] == 0
+                    and s["tandem_worker_waiting_requests"] == 0
                     and s["tandem_worker_held_requests"] == 0 and s["tandem_worker_kv_usage"] == 0):
                 break
             assert time.monotonic() < deadline, (w.role, s)
@@ -78,26 +79,32 @@ def test_schemathesis_against_the_router_schema(cluster, tmp_path):
     assert_baseline(p, d)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                     | st.text(max_size=20),
+                     lambda kids: st.lists(kids, max_size=4)
+                                  | st.dictionaries(st.text(max_size=10), kids, max_size=4),
                      max_leaves=12)
-_token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(-2**40, 2**40)), min_size=0, max_size=120)
+_token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(-2**40, 2**40)), min_size=0,
+                      max_size=120)
 _sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.floats(-1, 5), st.just(0.0)), "top_p": st.floats(-0.5, 1.5),
     "top_k": st.one_of(st.none(), st.integers(-5, 500)), "max_tokens": st.integers(-3, 200),
-    "stop": st.lists(st.text(max_size=4), max_size=3), "seed": st.one_of(st.none(), st.integers(-2**63, 2**64)),
+    "stop": st.lists(st.text(max_size=4), max_size=3),
+    "seed": st.one_of(st.none(), st.integers(-2**63, 2**64)),
     "logprobs": st.one_of(st.none(), st.integers(-1, 30)), "ignore_eos": st.booleans(),
     "presence_penalty": st.floats(-3, 3), "unknown": _json})
 _near_valid = st.fixed_dictionaries(
     {"request_id": st.text(min_size=0, max_size=300), "prompt_token_ids": _token_ids},
-    optional={"sampling": _sampling, "output_token_ids": _token_ids, "lease_seconds": st.floats(-1, 100),
+    optional={"sampling": _sampling, "output_token_ids": _token_ids,
+              "lease_seconds": st.floats(-1, 100),
               "kv_transfer_params": st.one_of(_json, st.fixed_dictionaries(
                   {"do_remote_prefill": st.just(True), "remote_block_ids": _token_ids,
                    "remote_host": st.just("127.0.0.1"), "remote_port": st.integers(0, 70000),
                    "remote_engine_id": st.text(max_size=10)}))})
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=DERANDOMIZE)
 @given(body=st.one_of(_json, _near_valid), raw=st.one_of(st.none(), st.binary(max_size=64)))
 def test_worker_api_fuzz(cluster, body, raw):
     _, p, d = cluster
@@ -105,7 +112,8 @@ def test_worker_api_fuzz(cluster, body, raw):
     content = raw if raw is not None else json.dumps(body).encode()
     for w, path in ((p, "/prefill"), (d, "/generate")):
         resp = httpx.post(f"{w.url}{path}", content=content, headers=headers, timeout=30)
-        assert resp.status_code < 500 or resp.status_code == 503, (path, body, resp.status_code, resp.text)
+        assert resp.status_code < 500 or resp.status_code == 503, (
+            path, body, resp.status_code, resp.text)
         if resp.status_code >= 400:
             assert "error" in resp.json(), resp.text  # OpenAI-format error body
         assert httpx.get(f"{w.url}/health", timeout=5).status_code == 200
@@ -119,14 +127,16 @@ def test_workers_are_back_to_baseline_after_the_worker_fuzz(cluster):
 
 _stream_body = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 24)},
-    optional={"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "seed": st.integers(0, 2**31),
+    optional={"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+              "seed": st.integers(0, 2**31),
               "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
               "logprobs": st.integers(0, 5), "presence_penalty": st.floats(-2, 2),
               "frequency_penalty": st.floats(-2, 2), "ignore_eos": st.booleans(),
               "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})})
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=DERANDOMIZE)
 @given(body=_stream_body, prompt=st.text(min_size=1, max_size=40), chat=st.booleans())
 def test_router_sse_fuzz(cluster, body, prompt, chat):
     r, _, _ = cluster
@@ -148,7 +158,8 @@ def test_router_sse_fuzz(cluster, body, prompt, chat):
     assert data and data[-1] == "[DONE]"
     chunks = [json.loads(x) for x in data[:-1]]  # every frame is JSON
     assert not any("error" in c for c in chunks), chunks
-    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"]
+                if ch.get("finish_reason")]
     assert len(finishes) == 1 and finishes[0] in ("stop", "length")
     usage = [c["usage"] for c in chunks if c.get("usage")]
     assert len(usage) == (1 if (body.get("stream_options") or {}).get("include_usage") else 0)
@@ -160,9 +171,10 @@ def test_router_sse_fuzz(cluster, body, prompt, chat):
 # puts one extreme value into one numeric field of an otherwise valid body: the answer is a
 # success or a 4xx in the OpenAI format, never a 5xx, and every engine is alive afterwards.
 _EXTREMES = [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1,
-             2**64, 10**30, 1e308, -1e308, 5e-324, 0.5, -0.0, float("inf"), float("-inf"), float("nan")]
-_SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
-                    "frequency_penalty", "logprobs"]
+             2**64, 10**30, 1e308, -1e308, 5e-324, 0.5, -0.0, float("inf"), float("-inf"),
+             float("nan")]
+_SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                    "presence_penalty", "frequency_penalty", "logprobs"]
 _ENDPOINT_FIELDS = {
     "router:/v1/completions": _SAMPLING_FIELDS + ["n", "prompt.0"],
     "router:/v1/chat/completions": [f for f in _SAMPLING_FIELDS if f != "logprobs"]
@@ -220,7 +232,8 @@ def _put(body: dict, path: str, value) -> dict:
 _field_cases = st.sampled_from([(e, f) for e, fs in _ENDPOINT_FIELDS.items() for f in fs])
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=DERANDOMIZE)
 @given(case=_field_cases, value=st.sampled_from(_EXTREMES))
 def test_numeric_extremes_on_every_endpoint(cluster, case, value):
     r, p, d = cluster
@@ -233,7 +246,8 @@ def test_numeric_extremes_on_every_endpoint(cluster, case, value):
     body = _put(_base(endpoint), field, value)
     # json.dumps writes inf/nan as Infinity/NaN: not JSON, but what a careless client sends.
     resp = httpx.post(f"{base}{path}", content=json.dumps(body), headers=headers, timeout=60)
-    assert resp.status_code in (200, 400, 404, 409, 413, 422), (endpoint, field, value, resp.status_code, resp.text[:300])
+    assert resp.status_code in (200, 400, 404, 409, 413, 422), (
+        endpoint, field, value, resp.status_code, resp.text[:300])
     if resp.status_code != 200:
         assert "error" in resp.json(), resp.text
     else:

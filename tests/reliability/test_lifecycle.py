@@ -112,12 +112,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_folder), "--port", str(port),
-           "--redis-url", REDIS_URL, "--cache-dir", str(tmp_path), "--threads", "1",
-           "--num-blocks", "256", "--drain-timeout-s", "5"]
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_folder),
+           "--port", str(port), "--redis-url", REDIS_URL, "--cache-dir", str(tmp_path),
+           "--threads", "1", "--num-blocks", "256", "--drain-timeout-s", "5"]
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                          env={**os.environ, "TANDEM_INTERNAL_TOKEN": TOKEN}, start_new_session=True)
+                          env={**os.environ, "TANDEM_INTERNAL_TOKEN": TOKEN},
+                          start_new_session=True)
     family: set[int] = set()
     try:
         url = f"http://127.0.0.1:{port}"

@@ -30,8 +30,9 @@ ROOT_IP, P_IP, NS_IP = "10.234.0.1", "10.234.0.3", "10.234.0.2"  # only on the v
 def test_dropping_the_p_to_d_link_loses_no_request(tiny_folder, tmp_path, reference):
     link = Link([ROOT_IP, P_IP], NS_IP)
     port = free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", f"127.0.0.1 {ROOT_IP}", "--save", "",
-                              "--appendonly", "no", "--protected-mode", "no", "--dir", str(tmp_path)],
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", f"127.0.0.1 {ROOT_IP}",
+                              "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir",
+                              str(tmp_path)],
                              stdout=subprocess.DEVNULL)
     url = f"redis://{ROOT_IP}:{port}/0"
     ns = f"link-{uuid.uuid4().hex[:6]}"
@@ -39,9 +40,10 @@ def test_dropping_the_p_to_d_link_loses_no_request(tiny_folder, tmp_path, refere
     p = d = r = None
     try:
         time.sleep(0.3)
-        p = Worker("prefill", str(tiny_folder), cache_dir=tmp_path, host=P_IP, extra=[*args, "--lease-seconds", "3"])
-        d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, host=NS_IP, netns=link.ns, extra=args,
-                   env={"TANDEM_PULL_TIMEOUT_S": "2"})
+        p = Worker("prefill", str(tiny_folder), cache_dir=tmp_path, host=P_IP,
+                   extra=[*args, "--lease-seconds", "3"])
+        d = Worker("decode", str(tiny_folder), cache_dir=tmp_path, host=NS_IP,
+                   netns=link.ns, extra=args, env={"TANDEM_PULL_TIMEOUT_S": "2"})
         # Every request disaggregated: each one needs the link.
         r = Router(tiny_folder, ns, cache_dir=tmp_path, redis_url=url,
                    env={"TANDEM_ROUTER_CONDITIONAL_DISAGG": "false"})
@@ -51,16 +53,18 @@ def test_dropping_the_p_to_d_link_loses_no_request(tiny_folder, tmp_path, refere
 
         def ask(i: int) -> None:
             prompt = f"link test {i}: a prompt long enough to fill several blocks of the cache"
-            got = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True})
+            got = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=12,
+                                            temperature=0, extra_body={"ignore_eos": True})
             assert got.choices[0].text == reference.generate(prompt, params)[0].text, i
             assert got.tandem["plan"] == "disagg"
 
         def pulled() -> float:
-            return sum(v for k, v in d.metrics().items() if k.startswith("tandem_kv_transfer_bytes_total"))
+            return sum(v for k, v in d.metrics().items()
+                       if k.startswith("tandem_kv_transfer_bytes_total"))
 
         def fallbacks() -> float:
-            return sum(v for k, v in d.metrics().items() if k.startswith("tandem_kv_pull_fallbacks_total"))
+            return sum(v for k, v in d.metrics().items()
+                       if k.startswith("tandem_kv_pull_fallbacks_total"))
 
         for i in range(3):
             ask(i)

@@ -23,7 +23,8 @@ from testing.redis_cluster import LocalRedisCluster
 from testing.streaming_load import StreamingLoad
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+              pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server not installed")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_both_indexes_answer_across_slots(redis_cluster):
 
 def _cached(router: Router, prompt: str) -> int:
     r = httpx.post(f"{router.url}/v1/completions", timeout=60,
-                   json={"model": "tiny-random", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                   json={"model": "tiny-random", "prompt": prompt, "max_tokens": 2,
+                         "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 

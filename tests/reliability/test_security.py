@@ -13,7 +13,8 @@ from testing.cluster import TOKEN, Router, Worker
 
 pytestmark = pytest.mark.redis
 
-OPEN = {"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+OPEN = {"/health", "/ready", "/metrics", "/openapi.json", "/docs",
+        "/docs/oauth2-redirect", "/redoc"}
 
 
 def operations(base: str) -> list[tuple[str, str]]:
@@ -48,9 +49,11 @@ def test_every_worker_endpoint_needs_the_internal_token(services):
     for w in (p, d):
         ops = [(m, path) for m, path in operations(w.url) if path not in OPEN]
         leg = "/prefill" if w.role == "prefill" else "/generate"
-        assert {leg, "/abort/some-id", "/v1/chat/completions", "/kv/metadata"} <= {path for _, path in ops}
+        assert ({leg, "/abort/some-id", "/v1/chat/completions", "/kv/metadata"}
+                <= {path for _, path in ops})
         for method, path in ops:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer client-key"}):
+            for headers in ({}, {"Authorization": "Bearer wrong"},
+                            {"Authorization": "Bearer client-key"}):
                 assert call(w.url, method, path, headers) == 401, (w.role, method, path, headers)
         # ... and the right token gets past authentication (some other answer than 401).
         assert call(w.url, "GET", "/kv/metadata", {"Authorization": f"Bearer {TOKEN}"}) == 200
@@ -62,7 +65,8 @@ def test_every_router_endpoint_needs_a_client_key(services):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= {path for _, path in ops}
     for method, path in ops:
         # The internal token is not a client key.
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"},
+                        {"Authorization": f"Bearer {TOKEN}"}):
             status = call(r.url, method, path, headers)
             assert status == 401, (method, path, headers, status)
     ok = httpx.post(f"{r.url}/v1/completions", headers={"Authorization": "Bearer client-key"},

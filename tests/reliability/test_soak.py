@@ -51,7 +51,8 @@ def test_soak_steady_rate(tiny_folder, tmp_path):
         client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=60)
         rng = random.Random(0)
         # 16 conversations that grow turn by turn (and wrap around, so the caches keep churning).
-        sessions = [[{"role": "system", "content": f"Conversation {s}. " + "context " * rng.randint(5, 40)}]
+        sessions = [[{"role": "system",
+                      "content": f"Conversation {s}. " + "context " * rng.randint(5, 40)}]
                     for s in range(16)]
 
         def turn(k: int) -> str | None:
@@ -60,8 +61,9 @@ def test_soak_steady_rate(tiny_folder, tmp_path):
             try:
                 text = "".join(c.choices[0].delta.content or ""
                                for c in client.chat.completions.create(
-                                   model="tiny-random", messages=msgs, max_tokens=rng.randint(4, 16),
-                                   temperature=0.7, seed=k, stream=True) if c.choices)
+                                   model="tiny-random", messages=msgs,
+                                   max_tokens=rng.randint(4, 16), temperature=0.7, seed=k,
+                                   stream=True) if c.choices)
             except openai.APIError as e:
                 return f"{type(e).__name__}: {e}"
             sessions[k % len(sessions)] += [msgs[-1], {"role": "assistant", "content": text}]
@@ -91,8 +93,10 @@ def test_soak_steady_rate(tiny_folder, tmp_path):
             deadline = time.monotonic() + 30
             while True:
                 s = w.metrics()
-                if (s["tandem_worker_running_requests"] == 0 and s["tandem_worker_held_requests"] == 0
-                        and s["tandem_worker_kv_usage"] == 0 and s.get("tandem_kv_leased_blocks", 0) == 0):
+                if (s["tandem_worker_running_requests"] == 0
+                        and s["tandem_worker_held_requests"] == 0
+                        and s["tandem_worker_kv_usage"] == 0
+                        and s.get("tandem_kv_leased_blocks", 0) == 0):
                     break
                 assert time.monotonic() < deadline, (w.role, s)
                 time.sleep(0.2)

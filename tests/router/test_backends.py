@@ -28,7 +28,8 @@ PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2683, 35
 def test_static_worker_entries():
     assert parse_static("prefill=http://h:1/") == ("tandem", "prefill", "http://h:1", None)
     assert parse_static("vllm:decode=http://h:2") == ("vllm", "decode", "http://h:2", None)
-    assert parse_static("tandem:colocated=http://h:3") == ("tandem", "colocated", "http://h:3", None)
+    assert (parse_static("tandem:colocated=http://h:3")
+            == ("tandem", "colocated", "http://h:3", None))
     assert parse_static("vllm:prefill=http://h:1,model=qwen/qwen2.5-7b") == (
         "vllm", "prefill", "http://h:1", "qwen/qwen2.5-7b")
     with pytest.raises(ValueError):
@@ -93,7 +94,8 @@ class Replay:
         port = site._server.sockets[0].getsockname()[1]
         try:
             async with aiohttp.ClientSession() as http:
-                backend = VLLMBackend(http, "secret", "smollm2-135m-instruct", Timeouts(prefill_s=5, stream_stall_s=1, total_s=10))
+                backend = VLLMBackend(http, "secret", "smollm2-135m-instruct",
+                                      Timeouts(prefill_s=5, stream_stall_s=1, total_s=10))
                 w = WorkerInfo("v0", "decode", f"http://127.0.0.1:{port}", backend="vllm")
                 return await coro_fn(backend, w)
         finally:
@@ -111,13 +113,15 @@ def test_prefill_leg_asks_for_remote_decode_and_returns_vllms_params():
     replay = Replay()
 
     async def go(backend, w):
-        return await backend.prefill(w, "req-1", PROMPT, SamplingOptions(temperature=0, max_tokens=50))
+        return await backend.prefill(w, "req-1", PROMPT,
+                                     SamplingOptions(temperature=0, max_tokens=50))
 
     out = asyncio.run(replay.run(go))
     recorded = json.loads((CAPTURE / "prefill.json").read_text())["kv_transfer_params"]
     assert out.first_token_id is None and out.num_cached_tokens == 0
     # vLLM's params go on to its decode side exactly as it sent them.
-    assert out.kv_transfer_params.model_dump(mode="json", exclude_unset=True, warnings=False) == recorded
+    assert (out.kv_transfer_params.model_dump(mode="json", exclude_unset=True, warnings=False)
+            == recorded)
     body = replay.bodies[0]
     assert body["prompt"] == PROMPT and body["max_tokens"] == 1 and body["stream"] is False
     assert body["kv_transfer_params"]["do_remote_decode"] is True

@@ -18,8 +18,8 @@ from router.worker_info import WorkerInfo
 
 
 def catalog(tiny_folder, only=None, salt=None) -> ModelCatalog:
-    return ModelCatalog(only=only, tokenizer_path=None, model_dir=tiny_folder.parent, hash_salt=salt,
-                        registry=CollectorRegistry())
+    return ModelCatalog(only=only, tokenizer_path=None, model_dir=tiny_folder.parent,
+                        hash_salt=salt, registry=CollectorRegistry())
 
 
 def worker(wid, digest, names=("tiny-random",), started=1.0, block_size=4, salt=None, folder=None):
@@ -74,7 +74,8 @@ def test_aliases_and_models_are_independent(tiny_folder):
     asyncio.run(c.reconcile([a, b]))
     assert a.accepted == {"tiny-random", "tiny"} and b.accepted == {"other"}
     assert c.served([a, b]) == ["other", "tiny", "tiny-random"]
-    assert c.get("tiny").hasher.seed == c.get("tiny-random").hasher.seed != c.get("other").hasher.seed
+    assert (c.get("tiny").hasher.seed == c.get("tiny-random").hasher.seed
+            != c.get("other").hasher.seed)
 
 
 def test_a_worker_hashing_with_another_salt_is_refused(tiny_folder):
@@ -86,7 +87,8 @@ def test_a_worker_hashing_with_another_salt_is_refused(tiny_folder):
     assert refused(c, "hash_seed") == 1
 
 
-def test_a_pinned_router_ignores_other_models_and_a_missing_tokenizer_refuses(tiny_folder, tmp_path):
+def test_a_pinned_router_ignores_other_models_and_a_missing_tokenizer_refuses(
+        tiny_folder, tmp_path):
     c = catalog(tiny_folder, only="tiny-random")
     other = worker("o", "bbbbbbbbbbbbbbbb", names=("other",), folder=tiny_folder)
     asyncio.run(c.reconcile([other]))
@@ -113,11 +115,14 @@ def test_model_digest_covers_config_and_tokenizer_files(tiny_folder, tmp_path):
 
 def test_registrations_are_bounded():
     base = {b"role": b"decode", b"url": b"http://127.0.0.1:1", b"model_digest": b"0123456789abcdef",
-            b"served_model_names": b'["a", "b/c"]', b"hash_seed": b"123", b"tokenizer_path": b"None"}
+            b"served_model_names": b'["a", "b/c"]', b"hash_seed": b"123",
+            b"tokenizer_path": b"None"}
     reg = WorkerRegistration.from_hash(base)
     assert reg.names == ["a", "b/c"] and reg.hash_seed == 123 and reg.tokenizer_path is None
-    assert WorkerRegistration.from_hash({b"role": b"decode", b"url": b"http://h:1", b"model": b"m"}).names == ["m"]
-    for field, value in ((b"served_model_names", b'["bad name"]'), (b"served_model_names", b"not json"),
+    assert WorkerRegistration.from_hash({b"role": b"decode", b"url": b"http://h:1",
+                                         b"model": b"m"}).names == ["m"]
+    for field, value in ((b"served_model_names", b'["bad name"]'),
+                         (b"served_model_names", b"not json"),
                          (b"served_model_names", json.dumps(["m"] * 33).encode()),
                          (b"model_digest", b"XYZ"), (b"hash_seed", str(1 << 64).encode())):
         with pytest.raises(ValueError):

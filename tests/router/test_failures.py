@@ -26,7 +26,8 @@ def client_for(r: Router) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_killed_decode_mid_stream_resumes_with_identical_greedy_text(tiny_folder, workdir, reference):
+def test_killed_decode_mid_stream_resumes_with_identical_greedy_text(
+        tiny_folder, workdir, reference):
     ns = f"kd-{uuid.uuid4().hex[:6]}"
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=ns)
     d1 = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=ns, num_blocks=512)
@@ -35,9 +36,11 @@ def test_killed_decode_mid_stream_resumes_with_identical_greedy_text(tiny_folder
     try:
         r.wait_workers(3)
         prompt = "A long story begins here"
-        want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))[0]
-        stream = client_for(r).completions.create(model="tiny-random", prompt=prompt, max_tokens=300,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=300,
+                                                         ignore_eos=True))[0]
+        stream = client_for(r).completions.create(model="tiny-random", prompt=prompt,
+                                                  max_tokens=300, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
         text, killed = "", None
         for chunk in stream:
             if chunk.choices:
@@ -69,9 +72,11 @@ def test_killed_prefill_worker_requests_keep_succeeding(tiny_folder, workdir, re
         prompts = [f"question number {i} about routing" for i in range(12)]
 
         def ask(prompt):
-            return c.completions.create(model="tiny-random", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+            return c.completions.create(model="tiny-random", prompt=prompt, max_tokens=8,
+                                        temperature=0).choices[0].text
 
-        assert ask(prompts[0]) == reference.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8))[0].text
+        assert ask(prompts[0]) == reference.generate(
+            prompts[0], SamplingParams(temperature=0, max_tokens=8))[0].text
         p1.kill()
         results = [ask(q) for q in prompts]  # the dead worker is still in Redis for up to its TTL
         for q, got in zip(prompts, results, strict=True):
@@ -98,7 +103,8 @@ def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_pa
 
         def ask(i):
             return c.completions.create(model="tiny-random", prompt=f"load {i}", max_tokens=6,
-                                        temperature=0, extra_body={"ignore_eos": True}).choices[0].finish_reason
+                                        temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].finish_reason
 
         with cf.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(ask, i) for i in range(120)]
@@ -117,7 +123,8 @@ def test_stopping_redis_under_load_fails_no_request(tiny_folder, workdir, tmp_pa
 
 def _multi_turn_hit_ratio(tiny_folder, workdir, policy: str) -> float:
     ns = f"mt-{policy}-{uuid.uuid4().hex[:6]}"
-    ps = [Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=ns, num_blocks=1024) for _ in range(2)]
+    ps = [Worker("prefill", str(tiny_folder), cache_dir=workdir, namespace=ns, num_blocks=1024)
+          for _ in range(2)]
     d = Worker("decode", str(tiny_folder), cache_dir=workdir, namespace=ns, num_blocks=1024)
     r = Router(tiny_folder, ns, cache_dir=workdir, policy=policy,
                extra=[])
@@ -125,11 +132,13 @@ def _multi_turn_hit_ratio(tiny_folder, workdir, policy: str) -> float:
         r.wait_workers(3)
         c = client_for(r)
         # Three sessions (odd): round robin cannot stick a session to one prefill worker by luck.
-        sessions = [[{"role": "system", "content": f"Session {s}: " + "context " * 20}] for s in range(3)]
+        sessions = [[{"role": "system", "content": f"Session {s}: " + "context " * 20}]
+                    for s in range(3)]
         for turn in range(4):
             for msgs in sessions:
                 msgs.append({"role": "user", "content": f"turn {turn} question"})
-                out = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=4, temperature=0)
+                out = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=4,
+                                                temperature=0)
                 msgs.append({"role": "assistant", "content": out.choices[0].message.content})
                 time.sleep(0.05)
         m = r.metrics()

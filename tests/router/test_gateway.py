@@ -62,7 +62,8 @@ def test_chat_matches_the_engine_and_reports_usage(client, reference):
 def test_streaming_completion_equals_non_streaming(client):
     args = dict(model="tiny-random", prompt="Once upon a time", max_tokens=10, temperature=0)
     whole = client.completions.create(**args).choices[0].text
-    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(**args, stream=True,
+                                            stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert chunks[-1].usage.completion_tokens == 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -89,7 +90,8 @@ def test_stop_strings_and_seeds(client, reference):
     c = client.completions.create(model="tiny-random", prompt="seed me", max_tokens=12,
                                   temperature=1.0, seed=124).choices[0].text
     assert a == b != c
-    want = reference.generate("seed me", SamplingParams(temperature=1.0, seed=123, max_tokens=12))[0]
+    want = reference.generate("seed me", SamplingParams(temperature=1.0, seed=123,
+                                                        max_tokens=12))[0]
     assert a == want.text
     n = client.completions.create(model="tiny-random", prompt="x", max_tokens=3, n=3, temperature=0)
     assert len(n.choices) == 3 and len({ch.text for ch in n.choices}) == 1
@@ -296,7 +298,8 @@ def test_a_wrong_index_costs_a_cache_miss_never_a_wrong_answer(cluster, client, 
     rds.xadd(stream, StreamEntry(d.worker_id, "f" * 16, 0, "reset").fields())
     try:
         time.sleep(0.5)  # a few feed polls
-        out = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=8, temperature=0)
+        out = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=8,
+                                        temperature=0)
         want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
         assert out.choices[0].text == want.text
         assert out.model_extra["tandem"]["plan"] == "decode_local"  # routed on the forged hit

@@ -35,7 +35,8 @@ def fleet(tiny_folder, smollm2_folder, tmp_path_factory):
         started.append(router)
         router.wait_workers(4, timeout=60, models=2)
         workers = {w.worker_id: w for w in started if isinstance(w, Worker)}
-        by_model = {SMOL: {w.worker_id for w in started[0:4:2]}, TINY: {w.worker_id for w in started[1:4:2]}}
+        by_model = {SMOL: {w.worker_id for w in started[0:4:2]},
+                    TINY: {w.worker_id for w in started[1:4:2]}}
         yield router, workers, by_model, workdir, ns
     finally:
         for p in reversed(started):
@@ -66,15 +67,18 @@ def test_each_request_reaches_only_its_models_workers(fleet):
             body = r.json()
             assert body["model"] == model
             t = body["tandem"]
-            assert t["plan"] == "disagg" and {t["prefill_worker"], t["decode_worker"]} <= by_model[model]
+            assert (t["plan"] == "disagg"
+                    and {t["prefill_worker"], t["decode_worker"]} <= by_model[model])
     # The workers' own counters agree: each model's workers served exactly its requests.
     for model, n in ((SMOL, 2), (TINY, 3)):
         for wid in by_model[model]:
             m = workers[wid].metrics()
             endpoint = "prefill" if wid.startswith("prefill") else "generate"
-            key = f'tandem_worker_requests_total{{endpoint="{endpoint}",model="{model}",status="200"}}'
+            key = (f'tandem_worker_requests_total{{endpoint="{endpoint}",model="{model}",'
+                   'status="200"}')
             assert m.get(key) == n, (wid, {k: v for k, v in m.items() if "worker_requests" in k})
-            assert any(k.startswith("vllm:num_requests_running") and f'model_name="{model}"' in k for k in m)
+            assert any(k.startswith("vllm:num_requests_running") and f'model_name="{model}"' in k
+                       for k in m)
     m = router.metrics()
     assert m[f'tandem_requests_total{{model="{SMOL}",status="200"}}'] >= 2
     assert m[f'tandem_requests_total{{model="{TINY}",status="200"}}'] >= 3
@@ -99,13 +103,15 @@ def test_a_worker_with_another_identity_under_a_served_name_is_refused(fleet, ti
     other = workdir / "tiny-random-v2"
     shutil.copytree(tiny_folder, other)
     (other / "generation_config.json").write_text('{"temperature": 0.5}')
-    before = router.metrics().get('tandem_worker_registrations_refused_total{reason="model_identity"}', 0)
+    before = router.metrics().get(
+        'tandem_worker_registrations_refused_total{reason="model_identity"}', 0)
     impostor = Worker("decode", str(other), cache_dir=workdir, namespace=ns,
                       extra=["--served-model-name", TINY])
     try:
         for _ in range(50):
             m = router.metrics()
-            if m.get('tandem_worker_registrations_refused_total{reason="model_identity"}', 0) > before:
+            if (m.get('tandem_worker_registrations_refused_total{reason="model_identity"}', 0)
+                    > before):
                 break
             time.sleep(0.2)
         else:
@@ -115,9 +121,11 @@ def test_a_worker_with_another_identity_under_a_served_name_is_refused(fleet, ti
             r = router.client.post("/v1/completions", json={
                 "model": TINY, "prompt": f"impostor {i}", "max_tokens": 3, "temperature": 0})
             assert r.status_code == 200 and r.json()["tandem"]["decode_worker"] in by_model[TINY]
-        assert "refused for model 'tiny-random'" in (workdir / f"router-{router.port}.log").read_text()
+        assert ("refused for model 'tiny-random'"
+                in (workdir / f"router-{router.port}.log").read_text())
         assert scrape(impostor.client).get(
-            f'tandem_worker_requests_total{{endpoint="generate",model="{TINY}",status="200"}}', 0) == 0
+            f'tandem_worker_requests_total{{endpoint="generate",model="{TINY}",status="200"}}',
+            0) == 0
     finally:
         impostor.close()
 
@@ -155,14 +163,16 @@ def test_every_status_the_router_answers_is_counted(tiny_folder, tmp_path):
         want = [(401, {}, ok_body), (413, auth, {"model": TINY, "prompt": "x" * 5000}),
                 (400, auth, {"model": TINY, "prompt": "hi", "max_tokens": -1}),
                 (404, auth, {**ok_body, "model": "nope"}),
-                (503, auth, ok_body), (503, auth, ok_body), (503, auth, ok_body), (429, auth, ok_body)]
+                (503, auth, ok_body), (503, auth, ok_body), (503, auth, ok_body),
+                (429, auth, ok_body)]
         for status, headers, body in want:
             resp = r.client.post("/v1/completions", headers=headers, json=body)
             assert resp.status_code == status, (status, resp.text)
             assert "error" in resp.json()
         m = r.metrics()
         for status, model, n in (("401", "", 1), ("413", "", 1), ("400", "", 1), ("404", "", 1),
-                                 ("429", "", 1), ("503", TINY, 3), ("500", "", 0), ("200", TINY, 0)):
+                                 ("429", "", 1), ("503", TINY, 3), ("500", "", 0),
+                                 ("200", TINY, 0)):
             key = f'tandem_requests_total{{model="{model}",status="{status}"}}'
             assert m.get(key) == n, (key, {k: v for k, v in m.items() if "requests_total" in k})
     finally:

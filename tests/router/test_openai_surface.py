@@ -15,7 +15,8 @@ from testing.cluster import Router, Worker
 MODEL = "tiny-random"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def client(tiny_folder, tmp_path_factory):
         router = Router(tiny_folder, ns, cache_dir=work)
         procs.append(router)
         router.wait_workers(2)
-        yield openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused",
+                            max_retries=0, timeout=60)
     finally:
         for p in reversed(procs):
             p.close()
@@ -56,15 +58,18 @@ def test_roles_and_content_parts_are_checked(client):
                                        messages=[{"role": "wizard", "content": "hi"}])
     assert "role" in str(e.value) and e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     assert "'image_url'" in str(e.value)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": None}])
+        client.chat.completions.create(model=MODEL, max_tokens=2,
+                                       messages=[{"role": "user", "content": None}])
     # Text parts are joined, as vLLM joins them.
     out = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+        {"role": "user",
+         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert out.usage.prompt_tokens == client.chat.completions.create(
         model=MODEL, max_tokens=2, temperature=0,
         messages=[{"role": "user", "content": "a\nb"}]).usage.prompt_tokens
@@ -72,13 +77,17 @@ def test_roles_and_content_parts_are_checked(client):
 
 def test_usage_reports_cached_prompt_tokens(client):
     messages = [{"role": "user", "content": str(uuid.uuid4()) + " a long shared prefix" * 12}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           temperature=0)
     # Only the template's own header (one block) can be cached the first time.
     assert first.usage.prompt_tokens_details.cached_tokens <= 8
-    assert again.usage.prompt_tokens // 2 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    assert (again.usage.prompt_tokens // 2 < again.usage.prompt_tokens_details.cached_tokens
+            < again.usage.prompt_tokens)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
     usage = [c.usage for c in stream if c.usage]
     assert usage and usage[-1].prompt_tokens_details.cached_tokens > 0
 
@@ -90,11 +99,12 @@ def test_models_retrieve(client):
 
 
 def test_streaming_n_choices_interleave_and_match_the_non_streamed_answer(client):
-    kw = dict(model=MODEL, prompt="Three stories begin:", max_tokens=12, temperature=1.0, seed=5, n=3,
-              extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt="Three stories begin:", max_tokens=12, temperature=1.0,
+              seed=5, n=3, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kw)
     texts, finishes, indexes, usage = ["", "", ""], [None] * 3, [], None
-    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+    for chunk in client.completions.create(stream=True,
+                                           stream_options={"include_usage": True}, **kw):
         for c in chunk.choices:
             texts[c.index] += c.text
             finishes[c.index] = c.finish_reason or finishes[c.index]
@@ -114,7 +124,8 @@ def test_logprobs_with_n_choices(client):
                                          max_tokens=4, n=2, temperature=1.0, seed=2, logprobs=True,
                                          top_logprobs=2, extra_body={"ignore_eos": True})
     for c in out.choices:
-        assert len(c.logprobs.content) == 4 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        assert (len(c.logprobs.content) == 4
+                and all(len(t.top_logprobs) == 2 for t in c.logprobs.content))
 
 
 def test_logit_bias_through_the_router(client):

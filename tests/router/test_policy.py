@@ -54,7 +54,8 @@ def test_a_backed_up_prefill_pool_is_routed_around():
     assert policy().choose(ctx(800, {}, [p], [d])).kind == "disagg"  # idle pool: disaggregate
     p.load = {"waiting_tokens": 4000}  # 4 s of queue at 1000 tok/s
     assert policy().choose(ctx(800, {}, [p], [d])).kind == "decode_local"
-    assert policy(local_prefill_when_backed_up=False).choose(ctx(800, {}, [p], [d])).kind == "disagg"
+    assert (policy(local_prefill_when_backed_up=False).choose(ctx(800, {}, [p], [d])).kind
+            == "disagg")
     assert policy(conditional_disagg=False).choose(ctx(800, {}, [p], [d])).kind == "disagg"
     # Many streams running on D: 0.8 s of stall for each of 8 is dearer than the 4 s queue.
     d.load = {"running": 8}
@@ -72,12 +73,14 @@ def test_transfer_is_charged_at_the_measured_bandwidth():
     assert plan.decode.worker_id == "d-fast"
     # 128 blocks x 400 kB at 5 MB/s is ~10 s: on that link alone, local prefill of the whole
     # prompt (~2 s at 1000 tok/s) beats fetching it, even though D holds nothing.
-    only_slow = policy(local_prefill_min_cached_fraction=0.0, local_prefill_max_uncached_tokens=10_000)
+    only_slow = policy(local_prefill_min_cached_fraction=0.0,
+                       local_prefill_max_uncached_tokens=10_000)
     assert only_slow.choose(ctx(2048, {}, [p], [slow])).kind == "decode_local"
     # An unmeasured worker gets the fleet's measured figure, not the optimistic default.
     new = worker("d-new", "decode", block_bytes=400_000)
     plan = policy(conditional_disagg=False).choose(ctx(2048, {}, [p], [slow, new]))
-    assert plan.predicted_s > 10  # ~2 s prefill + ~10 s pull; at the 2 GB/s default it would be ~2 s
+    # ~2 s prefill + ~10 s pull; at the 2 GB/s default it would be ~2 s
+    assert plan.predicted_s > 10
 
 
 def test_measured_bandwidth_is_an_ewma_of_real_pulls():
@@ -85,9 +88,11 @@ def test_measured_bandwidth_is_an_ewma_of_real_pulls():
     learn_bandwidth(d, RequestTiming(transfer_bytes=10 << 20, transfer_s=0.01))
     assert d.transfer_bytes_per_s == pytest.approx((10 << 20) / 0.01)
     learn_bandwidth(d, RequestTiming(transfer_bytes=10 << 20, transfer_s=0.02))
-    assert d.transfer_bytes_per_s == pytest.approx(0.8 * (10 << 20) / 0.01 + 0.2 * (10 << 20) / 0.02)
+    assert (d.transfer_bytes_per_s
+            == pytest.approx(0.8 * (10 << 20) / 0.01 + 0.2 * (10 << 20) / 0.02))
     before = d.transfer_bytes_per_s
-    learn_bandwidth(d, RequestTiming(transfer_bytes=4096, transfer_s=0.5))  # tiny pull: all fixed cost
+    # tiny pull: all fixed cost
+    learn_bandwidth(d, RequestTiming(transfer_bytes=4096, transfer_s=0.5))
     learn_bandwidth(d, RequestTiming())
     assert d.transfer_bytes_per_s == before
 
@@ -127,25 +132,30 @@ def _brute_force(pol, c: RouteContext):
     cands = []
     for d in c.decode:
         held = c.matches.get(d.worker_id, 0)
-        if not c.prefill or (s.conditional_disagg and c.num_tokens - held * BS <= s.local_prefill_max_uncached_tokens
+        if not c.prefill or (s.conditional_disagg
+                             and c.num_tokens - held * BS <= s.local_prefill_max_uncached_tokens
                              and held * BS >= s.local_prefill_min_cached_fraction * c.num_tokens):
             t, _ = pol._prefill_s(d, c)
             cands.append((t * (1 + s.local_prefill_interference * d.running()), "decode_local",
                           _key(d), d.worker_id, None))
-        elif s.local_prefill_when_backed_up and min(p.queued_tokens() for p in c.prefill) >= c.num_tokens - held * BS:
+        elif (s.local_prefill_when_backed_up
+                and min(p.queued_tokens() for p in c.prefill) >= c.num_tokens - held * BS):
             # The prefill pool is backed up: local prefill priced with the stall it imposes.
             t, _ = pol._prefill_s(d, c)
             stall = d.running() * (c.num_tokens - held * BS) / pol._rate(d)
-            cands.append((t * (1 + s.local_prefill_interference * d.running()) + s.local_prefill_stall_weight * stall,
+            cands.append((t * (1 + s.local_prefill_interference * d.running())
+                          + s.local_prefill_stall_weight * stall,
                           "decode_local", _key(d), d.worker_id, None))
         missing = max(c.num_blocks - held, 0) + (c.num_tokens % BS > 0)
         bw = d.transfer_bytes_per_s or pol._fleet_bw or s.default_transfer_bytes_per_s
-        td = s.transfer_weight * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw)
+        td = (s.transfer_weight
+              * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw))
         for p in c.prefill:
             t, _ = pol._prefill_s(p, c)
             cands.append((t + td, "disagg", _key(p) + _key(d), d.worker_id, p.worker_id))
     best = min(x[0] for x in cands)
-    near = sorted((x for x in cands if x[0] <= best + s.near_tie_s), key=lambda x: (x[1] != "disagg", x[2], x[0]))
+    near = sorted((x for x in cands if x[0] <= best + s.near_tie_s),
+                  key=lambda x: (x[1] != "disagg", x[2], x[0]))
     return near[0][1], near[0][3], near[0][4]
 
 
@@ -161,7 +171,8 @@ def test_two_pass_search_equals_every_pair():
     pol = policy()
     for _ in range(400):
         ps = [worker(f"p{i}", "prefill", prefill_tokens_per_s=rng.choice([None, 800.0, 1200.0]),
-                     load={"waiting_tokens": rng.choice([0, 0, 100, 900]), "running": rng.randint(0, 3)})
+                     load={"waiting_tokens": rng.choice([0, 0, 100, 900]),
+                           "running": rng.randint(0, 3)})
               for i in range(rng.randint(0, 5))]
         ds = [worker(f"d{i}", "decode", transfer_bytes_per_s=rng.choice([None, 5e7, 2e9]),
                      load={"running": rng.randint(0, 8)}, inflight=rng.randint(0, 2))
@@ -170,4 +181,5 @@ def test_two_pass_search_equals_every_pair():
         matches = {w.worker_id: rng.randint(0, n // BS) for w in ps + ds if rng.random() < 0.6}
         c = ctx(n, matches, ps, ds)
         plan = pol.choose(c)
-        assert (plan.kind, plan.decode.worker_id, plan.prefill and plan.prefill.worker_id) == _brute_force(pol, c)
+        assert ((plan.kind, plan.decode.worker_id, plan.prefill and plan.prefill.worker_id)
+                == _brute_force(pol, c))

@@ -27,7 +27,8 @@ def test_key_layout_and_shards_are_pinned():
     assert EVENT_SHARDS == 16
     assert keys.worker("decode-10.0.0.5-8300") == "tandem:prod:worker:{decode-10.0.0.5-8300}"
     assert keys.event_shard("decode-10.0.0.5-8300") == 11
-    assert keys.blocks("decode-10.0.0.5-8300") == "tandem:prod:blocks:{prod#11}:decode-10.0.0.5-8300"
+    assert (keys.blocks("decode-10.0.0.5-8300")
+            == "tandem:prod:blocks:{prod#11}:decode-10.0.0.5-8300")
     assert keys.events(11) == "tandem:prod:events:{prod#11}"
     assert keys.worker_id_of(b"tandem:prod:worker:{decode-10.0.0.5-8300}") == "decode-10.0.0.5-8300"
 
@@ -135,7 +136,8 @@ async def _converge(feed, wid, want, rounds=100):
         await feed.poll()
         if feed.replica._held.get(wid, set()) == set(want):
             return
-    raise AssertionError(f"replica has {sorted(feed.replica._held.get(wid, ()))}, want {sorted(want)}")
+    raise AssertionError(f"replica has {sorted(feed.replica._held.get(wid, ()))}, "
+                         f"want {sorted(want)}")
 
 
 async def _events(redis, keys, wid):
@@ -213,7 +215,8 @@ def test_feed_follows_a_publisher_through_gaps_resets_and_leaving():
 def test_poisoned_stream_entries_are_skipped_and_the_feed_lives_on():
     async def go():
         registry = CollectorRegistry()
-        async with _harness("decode-b", errors=BackgroundErrors(registry)) as (keys, redis, pool, pub, feed):
+        async with _harness("decode-b", errors=BackgroundErrors(registry)) as (
+                keys, redis, pool, pub, feed):
             stream = keys.events(keys.event_shard("decode-b"))
             await redis.xadd(stream, {"w": "decode-b", "e": "zz", "s": "1", "k": "stored"})
             await redis.xadd(stream, {"w": "decode-b", "k": "stored", "h": b"\x01" * 7})

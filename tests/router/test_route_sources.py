@@ -99,7 +99,8 @@ def test_speculative_entries_expire():
     now = [0.0]
     recent = SpeculativeIndex(ttl_s=2.0, max_blocks_per_worker=3, clock=lambda: now[0])
     recent.record("w", [1, 2, 3, 4])
-    assert asyncio.run(recent.match([2, 3, 4], ["w", "x"])) == {"w": 3, "x": 0}  # oldest (1) dropped: bounded
+    # oldest (1) dropped: bounded
+    assert asyncio.run(recent.match([2, 3, 4], ["w", "x"])) == {"w": 3, "x": 0}
     now[0] = 1.5
     recent.record("w", [2])  # refreshed: lives on after 3 and 4 expire
     now[0] = 2.5
@@ -142,8 +143,10 @@ def test_workers_of_one_model_at_two_block_sizes_are_matched_in_their_own_blocks
 
 def test_a_prefill_and_a_decode_worker_pair_only_within_one_backend_and_block_size(gateway):
     gw, model = gateway
-    tandem_p = WorkerInfo("tandem-p", "prefill", "http://tp", block_size=4, accepted=frozenset({MODEL}))
-    tandem_d = WorkerInfo("tandem-d", "decode", "http://td", block_size=4, accepted=frozenset({MODEL}))
+    tandem_p = WorkerInfo("tandem-p", "prefill", "http://tp", block_size=4,
+                          accepted=frozenset({MODEL}))
+    tandem_d = WorkerInfo("tandem-d", "decode", "http://td", block_size=4,
+                          accepted=frozenset({MODEL}))
     vllm_d = WorkerInfo("vllm-d", "decode", "http://vd", backend="vllm", block_size=8,
                         accepted=frozenset({MODEL}))
     gw.index = PublishedIndex({"vllm-d": model.hasher_for(8)(PROMPT)})

@@ -23,7 +23,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 24},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "city": {"type": "string", "maxLength": 24}}}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+RESPONSE_FORMAT = {"type": "json_schema",
+                   "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Invent a person. Answer in JSON."}]
 TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "chatml_tools.jinja"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -31,7 +32,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
                           "unit": {"enum": ["celsius", "fahrenheit"]}}}
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "description": "Weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two integers",
                                            "parameters": ADD}}]
@@ -56,7 +58,8 @@ def cluster(smollm2_folder, tmp_path_factory):
                         extra=["--no-conditional-disagg", "--chat-template", str(TEMPLATE)])
         procs.append(router)
         router.wait_workers(3)
-        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
         yield client, decodes
     finally:
         for p in reversed(procs):
@@ -98,11 +101,13 @@ def test_json_object_choice_and_regex(cluster):
                                          extra_body={"guided_choice": ["yes", "no"]})
     assert out.choices[0].message.content in ("yes", "no")
     out = client.completions.create(model=MODEL, prompt="Call me at", temperature=1.0, seed=7,
-                                    max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+                                    max_tokens=20,
+                                    extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
     assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "nonsense"}}})
     assert e.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
@@ -110,15 +115,18 @@ def test_json_object_choice_and_regex(cluster):
     assert e.value.body["param"] == "guided_regex"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tools=TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
 
 
 def test_a_decode_worker_killed_mid_stream_resumes_under_the_grammar(cluster):
     client, decodes = cluster
     listing = {"type": "object", "additionalProperties": False, "required": ["people"],
-               "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6, "items": PERSON}}}
-    fmt = {"type": "json_schema", "json_schema": {"name": "people", "schema": listing, "strict": True}}
+               "properties": {"people": {"type": "array", "minItems": 6, "maxItems": 6,
+                                         "items": PERSON}}}
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "people", "schema": listing, "strict": True}}
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "List six people as JSON."}],
         response_format=fmt, temperature=1.0, seed=11, max_tokens=400, stream=True)
@@ -161,11 +169,13 @@ def _streamed_calls(client, **kw) -> tuple[list[dict], str]:
     return [calls[i] for i in sorted(calls)], finish
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
+                                    "required"],
                          ids=["named", "required"])
 def test_forced_tool_choices_give_valid_calls_streamed_or_not(cluster, choice):
     client, _ = cluster
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+              max_tokens=120)
     out = client.chat.completions.create(**kw)
     assert out.choices[0].finish_reason == "tool_calls"
     calls = out.choices[0].message.tool_calls
@@ -196,7 +206,8 @@ def test_auto_tool_choice_answers_with_text_or_valid_calls(cluster):
     if msg.tool_calls:
         assert out.choices[0].finish_reason == "tool_calls"
         for call in msg.tool_calls:
-            assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
+            assert (call.function.name in SCHEMAS
+                    and isinstance(json.loads(call.function.arguments), dict))
     else:
         assert msg.content and "<tool_call>" not in msg.content
 
@@ -242,7 +253,8 @@ def test_langchain_structured_output_and_bind_tools(cluster, monkeypatch):
                      max_tokens=80, max_retries=0)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Invent a person.")
     assert isinstance(person, Person)
-    person = llm.with_structured_output(Person, method="function_calling").invoke("Invent a person.")
+    person = llm.with_structured_output(Person, method="function_calling").invoke(
+        "Invent a person.")
     assert isinstance(person, Person)
 
     def get_weather(city: str, unit: str) -> str:

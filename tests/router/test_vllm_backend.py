@@ -45,8 +45,8 @@ def vllm_pair(smollm2_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def router(vllm_pair, smollm2_folder, tmp_path_factory):
     pre, dec = vllm_pair
-    r = Router(smollm2_folder, None, cache_dir=tmp_path_factory.mktemp("vllm-router"), block_size=16,
-               token=None, redis_url=None,
+    r = Router(smollm2_folder, None, cache_dir=tmp_path_factory.mktemp("vllm-router"),
+               block_size=16, token=None, redis_url=None,
                extra=["--worker", f"vllm:prefill={pre.url}", "--worker", f"vllm:decode={dec.url}"])
     try:
         r.wait_workers(2, timeout=60)
@@ -61,7 +61,8 @@ def test_router_over_two_vllm_servers_moves_kv_with_nixl(router, vllm_pair, smol
     pre, dec = vllm_pair
     want = LLM(str(smollm2_folder)).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24,
                                                                     ignore_eos=True))[0]
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
     before_p, before_d = pre.metrics(), dec.metrics()
 
     done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
@@ -70,7 +71,8 @@ def test_router_over_two_vllm_servers_moves_kv_with_nixl(router, vllm_pair, smol
     assert done.usage.completion_tokens == 24
 
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPT + " red,", max_tokens=16, temperature=0, stream=True) if c.choices)
+        model=MODEL, prompt=PROMPT + " red,", max_tokens=16, temperature=0,
+        stream=True) if c.choices)
     assert text
 
     chat = client.chat.completions.create(
@@ -100,7 +102,8 @@ def test_a_dead_vllm_prefill_falls_back_to_local_prefill(router, vllm_pair):
     """The prefill server stops answering (SIGSTOP): the health check takes it out of the live set
     and the decode server prefills locally; requests still succeed."""
     pre, _ = vllm_pair
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
     os.killpg(pre.proc.pid, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 30

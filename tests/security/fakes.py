@@ -45,7 +45,8 @@ class FakePeer:
         async def start():
             self._servers = [await asyncio.start_server(self._http, "127.0.0.1", 0),
                              await asyncio.start_server(self._tcp, "127.0.0.1", 0)]
-            self.http_port, self.tcp_port = (srv.sockets[0].getsockname()[1] for srv in self._servers)
+            self.http_port, self.tcp_port = (srv.sockets[0].getsockname()[1]
+                                             for srv in self._servers)
             self._ready.set()
 
         self._loop.run_until_complete(start())

@@ -117,7 +117,8 @@ def test_a_malformed_registration_does_not_stop_discovery(cluster, tiny_folder):
                               "load": "{not json"})
     client.expire(bad, 60)
     try:
-        wait_for(lambda: r.metrics().get('tandem_background_errors_total{task="worker_discovery"}', 0) > 0,
+        wait_for(lambda: r.metrics().get('tandem_background_errors_total{task="worker_discovery"}',
+                                         0) > 0,
                  10, "the bad entry to be counted")
         d2 = Worker("decode", str(tiny_folder), cache_dir=work, namespace=ns)
         try:
@@ -163,11 +164,13 @@ def test_a_registration_without_the_token_is_never_contacted(cluster):
     client = redis.Redis.from_url(REDIS_URL)
     key = RedisKeys(ns).worker("decode-forged")
     fields = {"role": "decode", "url": fake.url, "block_size": "4", "capacity": "256"}
-    client.hset(key, mapping={**fields, "signature": registration_signature("decode-forged", fields, "guess")})
+    client.hset(key, mapping={
+        **fields, "signature": registration_signature("decode-forged", fields, "guess")})
     client.expire(key, 30)
     try:
         before = r.metrics().get('tandem_background_errors_total{task="worker_discovery"}', 0)
-        wait_for(lambda: r.metrics().get('tandem_background_errors_total{task="worker_discovery"}', 0) > before,
+        wait_for(lambda: r.metrics().get('tandem_background_errors_total{task="worker_discovery"}',
+                                         0) > before,
                  10, "the forged registration to be refused")
         for _ in range(4):
             assert complete(r, max_tokens=3).status_code == 200
@@ -244,8 +247,8 @@ def test_compose_has_no_default_token():
 
 def test_a_worker_beyond_loopback_needs_a_token(tiny_folder, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_INTERNAL_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "prefill", "--model", str(tiny_folder),
-                           "--host", "0.0.0.0", "--port", str(free_port())],
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "prefill", "--model",
+                           str(tiny_folder), "--host", "0.0.0.0", "--port", str(free_port())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "internal token" in proc.stderr and "--insecure" in proc.stderr
@@ -278,7 +281,8 @@ def test_a_dead_engine_is_a_dead_worker(tiny_folder, tmp_path):
         assert '"error"' in rest[-1], rest[-3:]
         assert d.proc.wait(30) == 1
         # Deregistered at once (its heartbeat TTL is 30 s: expiry did not do this).
-        assert not client.exists(RedisKeys(ns).worker(d.worker_id), RedisKeys(ns).blocks(d.worker_id))
+        assert not client.exists(RedisKeys(ns).worker(d.worker_id),
+                                 RedisKeys(ns).blocks(d.worker_id))
         wait_for(lambda: d.worker_id not in ready_workers(r), 10, "the router to drop the worker")
         resp = complete(r)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers", resp.text

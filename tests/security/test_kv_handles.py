@@ -42,7 +42,8 @@ def fallbacks(w: Worker, reason: str) -> float:
     return series_sum(w.metrics(), "tandem_kv_pull_fallbacks_total", reason=reason)
 
 
-def decode(d: Worker, rid: str, prompt: list[int], first: int, kvp: dict | None) -> tuple[list[int], dict]:
+def decode(d: Worker, rid: str, prompt: list[int], first: int,
+           kvp: dict | None) -> tuple[list[int], dict]:
     events = d.generate(rid, prompt, GREEDY, [first], kvp)
     return [first] + [t for ev in events for t in ev["token_ids"]], events[-1]
 
@@ -145,7 +146,8 @@ def test_bad_handles_fall_back_to_a_correct_local_prefill(pd, reference, fake, h
     elif how == "expired":
         time.sleep(1.2)
     before = fallbacks(d, "invalid_handle")
-    tokens, last = decode(d, f"bad-d-{how}-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"], kvp)
+    tokens, last = decode(d, f"bad-d-{how}-{uuid.uuid4().hex[:6]}", prompt,
+                          pre["first_token_id"], kvp)
     assert tokens == expected(reference, prompt)
     assert last["timing"]["transfer_bytes"] == 0
     assert fallbacks(d, "invalid_handle") == before + 1
@@ -154,13 +156,15 @@ def test_bad_handles_fall_back_to_a_correct_local_prefill(pd, reference, fake, h
 
 
 def test_handles_from_outside_the_cluster_reach_no_host(pd, reference, fake):
-    """Item 2 (SSRF): the vLLM-compatible endpoint took any remote_host, even one carrying a path."""
+    """Item 2 (SSRF): the vLLM-compatible endpoint took any remote_host, even one carrying a path.
+    """
     _, d = pd
     base = {"do_remote_prefill": True, "remote_engine_id": "prefill-x", "remote_block_ids": [0, 1],
             "remote_request_id": "r1"}
     evil = d.client.post("/v1/completions", json={
         "prompt": X, "max_tokens": 4, "temperature": 0,
-        "kv_transfer_params": {**base, "remote_host": "127.0.0.1/steal?x=", "remote_port": fake.http_port}})
+        "kv_transfer_params": {**base, "remote_host": "127.0.0.1/steal?x=",
+                               "remote_port": fake.http_port}})
     assert evil.status_code == 400, evil.text
     plain = d.client.post("/v1/completions", json={
         "prompt": X, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
@@ -184,10 +188,12 @@ def test_a_peer_cannot_take_over_an_engine_id(tcp_pd, reference, fake):
     fake.metadata = {**md, "params": {"host": "127.0.0.1", "port": fake.tcp_port}}  # claims E
     fake.tcp_answer = {"ok": True, "num_bytes": num_bytes, "chunk_bytes": num_bytes}
     junk = bytes(range(256)) * (num_bytes // 256 + 1)
-    fake.tcp_payload = struct.pack("<Q", xxhash.xxh3_64_intdigest(junk[:num_bytes])) + junk[:num_bytes]
+    fake.tcp_payload = (struct.pack("<Q", xxhash.xxh3_64_intdigest(junk[:num_bytes]))
+                        + junk[:num_bytes])
     hostile = {k: v for k, v in kvp.items() if k not in ("remote_engine_id", "signature")}
     hostile.update(remote_port=fake.http_port)
-    tokens, _ = decode(d, f"hijack-d-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"], hostile)
+    tokens, _ = decode(d, f"hijack-d-{uuid.uuid4().hex[:6]}", prompt,
+                       pre["first_token_id"], hostile)
     assert tokens == expected(reference, prompt)
     assert fake.hits == [] and fake.tcp_requests == []
     prompt2 = [(37 * j + 2) % 256 for j in range(14)]
@@ -209,7 +215,8 @@ def test_a_trickling_peer_cannot_hold_a_request(pd, reference, fake):
     pre = p.prefill(f"trickle-{uuid.uuid4().hex[:6]}", prompt, GREEDY)
     hostile = forged(pre["kv_transfer_params"], remote_port=fake.http_port)
     before = fallbacks(d, "timeout")
-    tokens, last = decode(d, f"trickle-d-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"], hostile)
+    tokens, last = decode(d, f"trickle-d-{uuid.uuid4().hex[:6]}", prompt,
+                          pre["first_token_id"], hostile)
     assert tokens == expected(reference, prompt)
     assert fallbacks(d, "timeout") == before + 1
     assert counter(d, "tandem_worker_running_requests") == 0
@@ -222,7 +229,8 @@ def test_lease_seconds_are_capped(pd):
     for value in (1e9, 121.0, float("inf")):
         r = p.client.post("/prefill", content=json.dumps({
             "request_id": f"lease-{uuid.uuid4().hex[:6]}", "prompt_token_ids": X,
-            "sampling": GREEDY, "lease_seconds": value}), headers={"Content-Type": "application/json"})
+            "sampling": GREEDY, "lease_seconds": value}),
+                          headers={"Content-Type": "application/json"})
         assert r.status_code == 400, (value, r.text)
     assert counter(p, "tandem_kv_leased_blocks") == 0
 
@@ -253,7 +261,8 @@ def test_tcp_transport_does_not_trust_the_peer_header(tcp_pd, reference, fake, a
                      "params": {"host": "127.0.0.1", "port": fake.tcp_port}}
     hostile = forged(kvp, remote_engine_id="prefill-fake", remote_port=fake.http_port)
     before = counter(d, "tandem_kv_pull_fallbacks_total")
-    tokens, last = decode(d, f"tcp-d-{uuid.uuid4().hex[:6]}", prompt, pre["first_token_id"], hostile)
+    tokens, last = decode(d, f"tcp-d-{uuid.uuid4().hex[:6]}", prompt,
+                          pre["first_token_id"], hostile)
     assert tokens == expected(reference, prompt)  # garbage never reached the cache
     assert last["timing"]["transfer_bytes"] == 0
     assert counter(d, "tandem_kv_pull_fallbacks_total") == before + 1
@@ -262,7 +271,8 @@ def test_tcp_transport_does_not_trust_the_peer_header(tcp_pd, reference, fake, a
 
 def _block_bytes(layout: dict) -> int:
     size = {"float32": 4, "float16": 2, "bfloat16": 2}[layout["dtype"]]
-    return 2 * layout["num_layers"] * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * size
+    return (2 * layout["num_layers"] * layout["block_size"] * layout["num_kv_heads"]
+            * layout["head_dim"] * size)
 
 
 def test_tcp_transport_refuses_a_non_ascii_token_and_keeps_serving(tcp_pd, reference):
@@ -384,8 +394,8 @@ def listening_addresses(pid: int) -> set[str]:
 
 
 def test_handles_carry_the_signed_fields(pd):
-    """The contract of docs/contract.md: a prefill worker's handle is signed over the fields that say
-    what to pull, from where, into which prompt."""
+    """The contract of docs/contract.md: a prefill worker's handle is signed over the fields that
+    say what to pull, from where, into which prompt."""
     p, _ = pd
     pre = p.prefill(f"fields-{uuid.uuid4().hex[:6]}", X, GREEDY)
     kvp = pre["kv_transfer_params"]

@@ -65,7 +65,8 @@ def busy(w: Worker) -> bool:
     return m["tandem_worker_running_requests"] + m["tandem_worker_waiting_requests"] > 0
 
 
-def complete(router: Router, prompt: list[int], max_tokens: int = 4, timeout=60.0) -> httpx.Response:
+def complete(router: Router, prompt: list[int], max_tokens: int = 4,
+             timeout=60.0) -> httpx.Response:
     return httpx.post(f"{router.url}/v1/completions", timeout=timeout, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})

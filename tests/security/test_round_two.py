@@ -48,8 +48,10 @@ def cluster(tiny_folder, tmp_path_factory):
     ns = f"r2-{uuid.uuid4().hex[:6]}"
     procs: list = []
     try:
-        procs.append(Worker("prefill", str(tiny_folder), cache_dir=work, namespace=ns, num_blocks=2048))
-        procs.append(Worker("decode", str(tiny_folder), cache_dir=work, namespace=ns, num_blocks=2048))
+        procs.append(Worker("prefill", str(tiny_folder), cache_dir=work, namespace=ns,
+                            num_blocks=2048))
+        procs.append(Worker("decode", str(tiny_folder), cache_dir=work, namespace=ns,
+                            num_blocks=2048))
         r = Router(tiny_folder, ns, cache_dir=work, extra=[
             "--stream-write-timeout-s", str(WRITE_TIMEOUT_S),
             "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", "3"])
@@ -300,7 +302,8 @@ def test_a_stream_that_is_not_read_holds_bounded_memory_in_the_router(cluster, t
         assert produced > 0, "the stream never started"
         grown = _rss_bytes(r.proc.pid) - before
         would_buffer = produced * 1400  # what the router held before: every frame produced
-        assert grown < 8 << 20, f"the router grew by {grown / 1e6:.1f} MB while {produced:.0f} tokens were produced"
+        assert grown < 8 << 20, (
+            f"the router grew by {grown / 1e6:.1f} MB while {produced:.0f} tokens were produced")
         assert inflight(r) == n  # the stream is alive (n choices), waiting on its client
         print(f"produced {produced:.0f} tokens (~{would_buffer / 1e6:.1f} MB of frames); "
               f"router grew {grown / 1e6:.1f} MB")
@@ -572,7 +575,8 @@ def with_fake(cluster, tiny_folder, tmp_path_factory):
     fake.vocab_size = d.client.get("/ready").json()["vocab_size"]
     r = Router(tiny_folder, None, cache_dir=tmp_path_factory.mktemp("fake"), redis_url=None,
                policy="round_robin", extra=["--worker", f"decode={fake.url}",
-                                            "--worker", f"decode={d.url}", "--breaker-failures", "100"])
+                                            "--worker", f"decode={d.url}",
+                                            "--breaker-failures", "100"])
     try:
         r.wait_workers(2)
         yield r, fake
@@ -651,7 +655,8 @@ def test_strangers_learn_no_addresses_and_no_internals(cluster):
     for w in (p, d):
         assert str(w.port) not in text
     bad = complete(r, n=2, seed=2**63 - 1)
-    assert bad.status_code == 400 and "pydantic" not in bad.text and "http" not in bad.text, bad.text
+    assert (bad.status_code == 400 and "pydantic" not in bad.text
+            and "http" not in bad.text), bad.text
     for w in (p, d):
         stranger = httpx.get(f"{w.url}/ready", timeout=10)
         assert stranger.status_code == 200 and stranger.json() == {"ready": True}, stranger.text
@@ -671,7 +676,8 @@ def test_a_failed_request_is_a_plain_503_and_one_log_line(tiny_folder, tmp_path)
                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "worker_failure"
-        assert "127.0.0.1" not in resp.text and "decode-" not in resp.text and "Error" not in resp.text
+        assert ("127.0.0.1" not in resp.text and "decode-" not in resp.text
+                and "Error" not in resp.text)
         log = (tmp_path / f"router-{r.port}.log").read_text()
         failed = [line for line in log.splitlines() if " failed: plan " in line]
         assert len(failed) == 1, log[-2000:]

@@ -29,8 +29,8 @@ HASHER = BlockHasher("m", 16)
 def issued(**over) -> KVTransferParams:
     fields = dict(do_remote_prefill=True, remote_engine_id="prefill-1", remote_host="10.0.0.5",
                   remote_port=8200, remote_block_ids=[4, 5, 6], remote_request_id="r-1",
-                  block_hashes=HASHER(PROMPT), num_tokens=len(PROMPT), prompt_hash=hash_tokens(PROMPT),
-                  expires_at=time.time() + 30)
+                  block_hashes=HASHER(PROMPT), num_tokens=len(PROMPT),
+                  prompt_hash=hash_tokens(PROMPT), expires_at=time.time() + 30)
     return KVTransferParams(**{**handle.sign(fields, TOKEN), **over})
 
 
@@ -69,9 +69,10 @@ def test_expired_and_foreign_key_handles_are_refused():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("top_k", 2**63), ("top_k", MAX_TOP_K + 1), ("temperature", math.inf), ("temperature", math.nan),
-    ("top_p", 0.0), ("seed", 2**63), ("max_tokens", 2**40), ("stop_token_ids", [2**40]),
-    ("presence_penalty", math.inf), ("logprobs", 21), ("stop", ["x" * 10_000])])
+    ("top_k", 2**63), ("top_k", MAX_TOP_K + 1), ("temperature", math.inf),
+    ("temperature", math.nan), ("top_p", 0.0), ("seed", 2**63), ("max_tokens", 2**40),
+    ("stop_token_ids", [2**40]), ("presence_penalty", math.inf), ("logprobs", 21),
+    ("stop", ["x" * 10_000])])
 def test_wire_and_engine_bounds_agree(field, value):
     with pytest.raises(ValidationError):
         SamplingOptions(**{field: value})
@@ -131,7 +132,8 @@ def test_background_errors_are_counted_by_task():
     errors = BackgroundErrors(registry)
     errors.record("kv_lease_watcher", ValueError("bad"))
     errors.record("kv_lease_watcher", "skipped item")
-    assert registry.get_sample_value("tandem_background_errors_total", {"task": "kv_lease_watcher"}) == 2
+    assert registry.get_sample_value("tandem_background_errors_total",
+                                     {"task": "kv_lease_watcher"}) == 2
 
 
 def test_secrets_compare_any_characters():

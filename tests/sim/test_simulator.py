@@ -28,7 +28,8 @@ def test_one_request_on_an_idle_cluster_costs_exactly_the_profile():
     hop = PROFILE.router_hop_s
     route = PROFILE.lookup_s(20, 2)  # hashing 20 blocks, the index lookup over 2 workers
     assert route == pytest.approx(20 * 0.5e-6 + 10e-6 + 2 * math.log2(21) * 0.14e-6)
-    assert req.first_token_at - req.arrival == pytest.approx(route + 2 * hop + PROFILE.prefill_s(320))
+    assert (req.first_token_at - req.arrival
+            == pytest.approx(route + 2 * hop + PROFILE.prefill_s(320)))
     # Then the pull of 20 blocks, the decode call, and 4 decode steps of batch 1.
     itl = [b - a for a, b in zip(req.token_times, req.token_times[1:], strict=False)]
     assert itl[0] == pytest.approx(2 * hop + PROFILE.transfer_s(20) + PROFILE.decode_step_s(1))
@@ -112,7 +113,8 @@ def test_one_machine_profile_slows_a_loaded_cluster_and_random_is_reproducible()
 
     sessions = multi_turn(30, turns=3, seed=2, system_tokens=200, user_tokens=20, answer_tokens=16)
     own = simulate(PROFILE, 2, 1, "random", sessions, concurrency=8)
-    shared = simulate(replace(PROFILE, host_cores=1, client_cpu_per_token_s=0.002, router_relay_cpu_per_token_s=0.001), 2, 1, "random",
+    shared = simulate(replace(PROFILE, host_cores=1, client_cpu_per_token_s=0.002,
+                              router_relay_cpu_per_token_s=0.001), 2, 1, "random",
                       sessions, concurrency=8)
     assert shared["ttft_s"]["p50"] > own["ttft_s"]["p50"]
     assert simulate(PROFILE, 2, 1, "random", sessions, concurrency=8) == own  # seeded policy
@@ -126,7 +128,8 @@ def test_validate_compares_with_the_mean_of_real_repeats(tmp_path, monkeypatch):
     results.mkdir(parents=True)
     runs, repeats = {}, {}
     for policy in ("kv_aware", "round_robin", "random"):
-        runs[policy] = {"prefix_hit_ratio": 0.5, "ttft_s": {"p50": 1.0}, "server_ttft_s": {"p50": 0.02}}
+        runs[policy] = {"prefix_hit_ratio": 0.5, "ttft_s": {"p50": 1.0},
+                        "server_ttft_s": {"p50": 0.02}}
         repeats[policy] = [{"hit_ratio": 0.4, "server_ttft_p50_s": 0.01},
                            {"hit_ratio": 0.6, "server_ttft_p50_s": 0.03}]
     (results / "policies.json").write_text(json.dumps({"sessions": 3, "turns": 2, "runs": runs,
@@ -139,9 +142,11 @@ def test_validate_compares_with_the_mean_of_real_repeats(tmp_path, monkeypatch):
     out = saved["policies"]
     for policy, cmp in out.items():
         hit, ttft = cmp["hit_ratio"], cmp["ttft_p50_s"]
-        assert (hit["real"], hit["real_min"], hit["real_max"]) == pytest.approx((0.5, 0.4, 0.6)), policy
+        assert ((hit["real"], hit["real_min"], hit["real_max"])
+                == pytest.approx((0.5, 0.4, 0.6))), policy
         # The router-side first-token time, not the client's TTFT (1 s here).
-        assert ttft["real"] == pytest.approx(0.02) and ttft["error"] == pytest.approx((ttft["sim"] - 0.02) / 0.02)
+        assert (ttft["real"] == pytest.approx(0.02)
+                and ttft["error"] == pytest.approx((ttft["sim"] - 0.02) / 0.02))
 
 
 def test_profile_fit_recovers_the_costs_it_was_measured_with():
@@ -151,7 +156,7 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
     from testing.processes import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from sim_profile import fit, simulated_cpu
+    from sim_fit import fit, simulated_cpu
 
     hop, fixed, rate, latency, bw, step = 0.0005, 0.004, 50_000.0, 0.0015, 5e8, 0.002
     router_cpu, chat_fixed, local_fixed, chat_step = 0.0015, 0.006, 0.008, 0.003
@@ -159,7 +164,8 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
     for n in (16, 64, 128, 256, 512):
         num_bytes = -(-n // 4) * 2048
         single.append({"plan": "disagg", "num_prompt": n, "num_cached_tokens": 0, "num_output": 8,
-                       "prefill_s": 2 * hop + fixed + n / rate, "first_token_s": 0.001 + 2 * hop + fixed + n / rate,
+                       "prefill_s": 2 * hop + fixed + n / rate,
+                       "first_token_s": 0.001 + 2 * hop + fixed + n / rate,
                        "transfer_bytes": num_bytes, "transfer_s": latency + num_bytes / bw,
                        "decode_s": 7 * step})
     batch = [{"num_output": 32, "decode_s": 31 * (step + 3 * 0.0004)}] * 4
@@ -170,22 +176,25 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
         leg = 2 * hop + chat_fixed + (n - cached) / rate
         seq.append({"plan": "disagg", "num_prompt": n, "num_cached_tokens": cached, "num_output": 8,
                     "prefill_s": leg, "first_token_s": router_cpu + leg, "decode_s": 7 * chat_step})
-        seq.append({"plan": "decode_local", "num_prompt": n, "num_cached_tokens": cached, "num_output": 8,
-                    "prefill_s": 0.0, "decode_s": 0.02,
+        seq.append({"plan": "decode_local", "num_prompt": n, "num_cached_tokens": cached,
+                    "num_output": 8, "prefill_s": 0.0, "decode_s": 0.02,
                     "first_token_s": router_cpu + 2 * hop + local_fixed + (n - cached) / rate})
     sessions = multi_turn(4, turns=3, seed=3, system_tokens=40, user_tokens=10, answer_tokens=8)
     num_tokens = sum(n for s in sessions for _, n in s.turns)
-    chat = {"requests": 12, "output_tokens": num_tokens, "router_cpu_s": 0.08, "prefill_cpu_s": 0.12,
-            "decode_cpu_s": 0.2, "client_cpu_s": 0.04,
+    chat = {"requests": 12, "output_tokens": num_tokens, "router_cpu_s": 0.08,
+            "prefill_cpu_s": 0.12, "decode_cpu_s": 0.2, "client_cpu_s": 0.04,
             "sessions": [[s.system, [[u, n] for u, n in s.turns]] for s in sessions]}
-    p = fit({"rtt_s": [2 * hop] * 5, "single": single, "batch": batch, "chat_sequential": seq, "chat": chat,
-             "block_size": 4, "num_blocks": 100, "host_cores": 2})
+    p = fit({"rtt_s": [2 * hop] * 5, "single": single, "batch": batch, "chat_sequential": seq,
+             "chat": chat, "block_size": 4, "num_blocks": 100, "host_cores": 2})
     assert p.router_hop_s == pytest.approx(hop)
-    assert p.prefill_tokens_per_s == pytest.approx(rate) and p.prefill_fixed_s == pytest.approx(chat_fixed)
-    assert p.local_prefill_fixed_s == pytest.approx(local_fixed) and p.router_cpu_s == pytest.approx(router_cpu)
+    assert (p.prefill_tokens_per_s == pytest.approx(rate)
+            and p.prefill_fixed_s == pytest.approx(chat_fixed))
+    assert (p.local_prefill_fixed_s == pytest.approx(local_fixed)
+            and p.router_cpu_s == pytest.approx(router_cpu))
     assert p.link_latency_s == pytest.approx(latency) and p.link_bytes_per_s == pytest.approx(bw)
     assert p.block_bytes == 2048
-    assert p.decode_step_base_s == pytest.approx(chat_step) and p.decode_step_per_seq_s == pytest.approx(0.0004)
+    assert (p.decode_step_base_s == pytest.approx(chat_step)
+            and p.decode_step_per_seq_s == pytest.approx(0.0004))
     assert p.client_cpu_per_token_s == pytest.approx(0.04 / num_tokens)
     assert p.jitter == pytest.approx(0.0, abs=1e-9) and p.host_cores == 2
     # The CPU the latencies miss is added until the same chat, simulated, costs each process
@@ -193,7 +202,8 @@ def test_profile_fit_recovers_the_costs_it_was_measured_with():
     got = simulated_cpu(p, sessions)
     assert got == pytest.approx({"router": 0.08, "prefill": 0.12, "decode": 0.2}, rel=0.03)
     assert p.router_relay_cpu_per_token_s > 0 and p.prefill_io_cpu_s > 0 and p.decode_io_cpu_s > 0
-    bare = simulated_cpu(replace(p, router_relay_cpu_per_token_s=0, prefill_io_cpu_s=0, decode_io_cpu_s=0), sessions)
+    bare = simulated_cpu(replace(p, router_relay_cpu_per_token_s=0, prefill_io_cpu_s=0,
+                                 decode_io_cpu_s=0), sessions)
     assert all(bare[k] < 0.9 * got[k] for k in got), bare
 
 
@@ -206,7 +216,8 @@ def test_local_prefill_costs_its_own_fixed_part():
     c.submit(req)
     c.clock.run()
     assert req.plan == "decode_local"
-    assert req.first_token_at == pytest.approx(PROFILE.lookup_s(20, 1) + 2 * PROFILE.router_hop_s + 0.05
+    assert req.first_token_at == pytest.approx(PROFILE.lookup_s(20, 1)
+                                               + 2 * PROFILE.router_hop_s + 0.05
                                                + 320 / PROFILE.prefill_tokens_per_s)
 
 
@@ -214,8 +225,9 @@ def test_on_a_shared_host_tokens_pass_the_router_and_the_client_before_the_next_
     from dataclasses import replace
 
     # Cores to spare: no sharing, so every cost is exact.
-    profile = replace(PROFILE, host_cores=64, router_cpu_s=0.004, router_relay_cpu_per_token_s=0.003,
-                      client_cpu_per_token_s=0.002, decode_io_cpu_s=0.03, prefill_io_cpu_s=0.02)
+    profile = replace(PROFILE, host_cores=64, router_cpu_s=0.004,
+                      router_relay_cpu_per_token_s=0.003, client_cpu_per_token_s=0.002,
+                      decode_io_cpu_s=0.03, prefill_io_cpu_s=0.02)
     c = Cluster(profile, 1, 1, "round_robin")
     req = SimRequest(0, list(range(320)), list(range(5)), arrival=0.0)
     c.submit(req)
@@ -239,12 +251,13 @@ def test_repeated_measurements_pool_into_one():
     from testing.processes import ROOT
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from sim_profile import pool
+    from sim_fit import pool
 
     def run(cpu: float, cores: float) -> dict:
-        return {"rtt_s": [cpu], "single": [{"x": cpu}], "batch": [], "chat_sequential": [{"y": cpu}],
-                "host_cores": cores, "block_size": 4,
-                "chat": {"requests": 12, "output_tokens": 90, "router_cpu_s": cpu, "wall_s": 1.0, "sessions": [1]}}
+        return {"rtt_s": [cpu], "single": [{"x": cpu}], "batch": [],
+                "chat_sequential": [{"y": cpu}], "host_cores": cores, "block_size": 4,
+                "chat": {"requests": 12, "output_tokens": 90, "router_cpu_s": cpu, "wall_s": 1.0,
+                         "sessions": [1]}}
 
     m = pool([run(0.1, 1.5), run(0.3, 1.7), run(0.2, 1.9)])
     assert m["rtt_s"] == [0.1, 0.3, 0.2] and m["single"] == [{"x": 0.1}, {"x": 0.3}, {"x": 0.2}]

@@ -238,7 +238,8 @@ def test_follow_ups_go_to_the_holder_through_evictions_a_restart_and_a_death(tin
         assert r.homes[-1] == a.worker_id and a.fake.cache.num_evicted == 7
         fleet.sync()  # a's published set shrank with its cache
         assert len(fleet.index.blocks(a.worker_id)) == CAPACITY
-        assert fleet.index.leading_match(a.worker_id, nxt) < fleet.index.leading_match(b.worker_id, nxt)
+        assert (fleet.index.leading_match(a.worker_id, nxt)
+                < fleet.index.leading_match(b.worker_id, nxt))
         p.ask(fleet, router)  # so p follows its prefix (`system`, from q) to b
         assert p.homes[-1] == b.worker_id and p.cached[-1] == len(system)
 
@@ -270,7 +271,8 @@ def test_follow_ups_go_to_the_holder_through_evictions_a_restart_and_a_death(tin
             assert c.homes[-1] == b.worker_id
 
 
-def test_a_sibling_before_the_event_lands_on_the_holder_only_with_the_overlay(tiny_folder, tmp_path):
+def test_a_sibling_before_the_event_lands_on_the_holder_only_with_the_overlay(
+        tiny_folder, tmp_path):
     """Two routers over the same fakes, --speculative-ttl-s 0 and the default. Through each, a
     request with a new prefix is held in flight on its fake with its event unsent, and a sibling
     with the same prefix is routed meanwhile: the published index knows nothing of the prefix

@@ -47,7 +47,8 @@ def test_every_captured_batch_decodes_and_encodes_back_byte_for_byte():
 
 
 def test_captured_batches_carry_the_requests_tokens_and_chain():
-    """What vLLM reported, step by step, for the scripted requests (bench/capture_vllm_events.py)."""
+    """What vLLM reported, step by step, for the scripted requests (bench/capture_vllm_events.py).
+    """
     b = [decode_batch(p).events for p in captures.payloads()]
     r1, r2, r4 = captures.computed_ids("r1"), captures.computed_ids("r2"), captures.prompt_ids("r4")
     (s0,), (s1,), (s2,), (s3,), (s4,), (rm, s5), (cleared,) = b

@@ -186,7 +186,8 @@ def test_replay_answers_without_the_topic_frame_from_older_vllm(tmp_path):
             await h.publish(4.0)
             assert seqs(await h.take(2)) == [3, 4]
             counts = h.sub.counts
-            assert counts["gaps"] == 1 and counts["malformed"] == 0 and counts["replay_timeouts"] == 0
+            assert (counts["gaps"] == 1 and counts["malformed"] == 0
+                    and counts["replay_timeouts"] == 0)
             assert counts["reset_history_lost"] == counts["reset_restarted"] == 0
 
     run(go())

@@ -69,7 +69,8 @@ class Fleet:
         """Each published set equals what its server reported holding (waiting for the bridge to
         catch up), and the test's mirror missed no batch."""
         for n in self.nodes:
-            wait_for(lambda n=n: self.index.blocks(n.worker_id) == n.mirror.own_hashes(self.hasher.seed),
+            wait_for(lambda n=n: self.index.blocks(n.worker_id)
+                                 == n.mirror.own_hashes(self.hasher.seed),
                      timeout, f"{n.worker_id}'s published set != what vLLM reported holding")
             assert n.mirror.gaps == 0
 
@@ -111,7 +112,8 @@ class Conversation:
             hit = min(matches[worker], (len(prompt) - 1) // BLOCK_SIZE)
             assert trace["num_cached_tokens"] == hit * BLOCK_SIZE, (matches, trace)
         self.homes.append(worker)
-        self.messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        self.messages.append({"role": "assistant",
+                              "content": out["choices"][0]["message"]["content"]})
         return trace
 
 
@@ -213,7 +215,8 @@ def test_pd_pair_publishes_the_decode_servers_pulled_blocks(smollm2_folder, tmp_
         assert out["tandem"]["decode_worker"] == dec.worker_id
         wait_for(lambda: series_sum(dec.server.metrics(), "vllm:nixl_bytes_transferred_sum") > 0,
                  20, "the decode server pulled nothing over NIXL")
-        conv.messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        conv.messages.append({"role": "assistant",
+                              "content": out["choices"][0]["message"]["content"]})
         # The decode server never computed the prompt: it pulled it over NIXL and reported the
         # pulled blocks as its own; the bridge published them.
         blocks = fleet.hasher(prompt)

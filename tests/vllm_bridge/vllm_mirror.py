@@ -23,7 +23,8 @@ class VLLMEventMirror(EventTap):
         self.gaps = 0
         self.num_stored = 0
         self.num_removed = 0
-        self._known: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # vLLM hash -> parent, tokens
+        # vLLM hash -> parent, tokens
+        self._known: dict[int, tuple[int | None, tuple[int, ...]]] = {}
         self._held: set[int] = set()  # vLLM hashes
         self._next_seq = 0
         self._lock = threading.Lock()

@@ -132,7 +132,8 @@ def test_openai_stream_reports_usage(pd):
     chunks = [json.loads(d) for d in data[:-1]]
     tokens = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     assert len(tokens) == 5 and chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"]["completion_tokens"] == 5 and chunks[-1]["usage"]["prompt_tokens"] > 0
+    assert (chunks[-1]["usage"]["completion_tokens"] == 5
+            and chunks[-1]["usage"]["prompt_tokens"] > 0)
 
 
 @pytest.mark.parametrize("mode", [PROC, ["--no-engine-process"]], ids=["process", "thread"])

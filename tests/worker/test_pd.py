@@ -81,7 +81,8 @@ def test_colocated_serves_generate_without_transfer(tiny_folder, workdir, refere
     try:
         prompt = prompts(3)[2]
         events = c.generate("co-1", prompt, GREEDY)
-        assert [t for e in events for t in e["token_ids"]] == expected_tokens(reference, prompt, GREEDY)
+        assert ([t for e in events for t in e["token_ids"]]
+                == expected_tokens(reference, prompt, GREEDY))
         assert events[-1]["timing"]["transfer_s"] == 0
     finally:
         c.close()
@@ -96,11 +97,13 @@ def test_bad_requests_get_clear_errors_and_worker_stays_up(pd):
     r = d.client.post("/generate", json={"request_id": "y", "prompt_token_ids": [1],
                                          "sampling": {"temperature": -1}})
     assert r.status_code == 400
-    r = p.client.post("/prefill", content=b"{not json", headers={"content-type": "application/json"})
+    r = p.client.post("/prefill", content=b"{not json",
+                      headers={"content-type": "application/json"})
     assert r.status_code == 400
     import httpx
 
-    assert httpx.post(f"{p.url}/prefill", json={"request_id": "z", "prompt_token_ids": [1]}).status_code == 401
+    assert httpx.post(f"{p.url}/prefill",
+                      json={"request_id": "z", "prompt_token_ids": [1]}).status_code == 401
     assert p.client.get("/health").status_code == 200
 
 
@@ -114,7 +117,8 @@ def test_abort_frees_blocks(pd):
     assert pre["kv_transfer_params"]["remote_block_ids"]
 
 
-def test_killed_decode_mid_stream_frees_prefill_blocks_by_lease_deadline(tiny_folder, workdir, namespace):
+def test_killed_decode_mid_stream_frees_prefill_blocks_by_lease_deadline(
+        tiny_folder, workdir, namespace):
     p = Worker("prefill", str(tiny_folder), cache_dir=workdir, extra=["--lease-seconds", "2"])
     # A slow decode (long output) that is killed while streaming.
     d = Worker("decode", str(tiny_folder), cache_dir=workdir)
@@ -125,8 +129,9 @@ def test_killed_decode_mid_stream_frees_prefill_blocks_by_lease_deadline(tiny_fo
         # Keep a second export unclaimed: nobody will ever pull it.
         p.prefill("kill-2", prompt[:-1], sampling)
         assert p.metrics()["tandem_worker_held_requests"] == 2
-        body = {"request_id": "kill-1", "prompt_token_ids": prompt, "output_token_ids": [pre["first_token_id"]],
-                "sampling": sampling, "kv_transfer_params": pre["kv_transfer_params"]}
+        body = {"request_id": "kill-1", "prompt_token_ids": prompt,
+                "output_token_ids": [pre["first_token_id"]], "sampling": sampling,
+                "kv_transfer_params": pre["kv_transfer_params"]}
         with d.client.stream("POST", "/generate", json=body) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i == 3:

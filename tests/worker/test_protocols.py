@@ -22,7 +22,8 @@ from testing.processes import free_port
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 # Installed with the dev extra into the same environment as the test runner.
-VLLM_ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+VLLM_ROUTER = (shutil.which("vllm-router")
+               or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,11 @@ def open_pd(tiny_folder, workdir):
 def test_vllm_nixl_connector_semantics_direct(open_pd, reference, tiny_folder):
     p, d = open_pd
     body = {"model": "tiny-random", "prompt": "The quick brown fox", "max_tokens": 1,
-            "temperature": 0, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                                     "remote_engine_id": None, "remote_block_ids": None,
-                                                     "remote_host": None, "remote_port": None}}
+            "temperature": 0, "kv_transfer_params": {"do_remote_decode": True,
+                                                     "do_remote_prefill": False,
+                                                     "remote_engine_id": None,
+                                                     "remote_block_ids": None, "remote_host": None,
+                                                     "remote_port": None}}
     pre = p.client.post("/v1/completions", json=body).json()
     kvp = pre["kv_transfer_params"]
     for field in ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
@@ -57,10 +60,13 @@ def test_vllm_nixl_connector_semantics_direct(open_pd, reference, tiny_folder):
     want = reference.generate("The quick brown fox", SamplingParams(**GREEDY))[0]
     assert dec["choices"][0]["token_ids"] == want.token_ids
     assert dec["choices"][0]["text"] == want.text
-    assert any(k.startswith("tandem_kv_transfer_blocks_total") and v > 0 for k, v in d.metrics().items())
+    assert any(k.startswith("tandem_kv_transfer_blocks_total") and v > 0
+               for k, v in d.metrics().items())
     render = d.client.post("/v1/chat/completions/render",
-                           json={"model": "x", "messages": [{"role": "user", "content": "hi"}]}).json()
-    assert render["prompt_token_ids"] == reference.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+                           json={"model": "x",
+                                 "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert (render["prompt_token_ids"]
+            == reference.tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
 
 
 @pytest.mark.skipif(VLLM_ROUTER is None, reason="vllm-router is not installed")
@@ -92,7 +98,8 @@ def test_vllm_router_pd_mode_in_front_of_tandem_workers(open_pd, reference, work
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny-random", "messages": msgs,
                                                            **GREEDY}, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == reference.chat(msgs, SamplingParams(**GREEDY))[0].text
+        assert (r.json()["choices"][0]["message"]["content"]
+                == reference.chat(msgs, SamplingParams(**GREEDY))[0].text)
         # Every request went P -> D with a KV pull that released P's lease.
         leases_after = p.metrics()['tandem_kv_leases_total{outcome="notified"}']
         assert leases_after - leases_before == 3
@@ -107,9 +114,11 @@ def test_sse_stream_and_client_disconnect_frees_blocks(open_pd, reference):
     p, d = open_pd
     prompt = [5, 6, 7, 8, 9, 10, 11]
     pre = p.prefill("sse-1", prompt, GREEDY)
-    body = {"request_id": "sse-1", "prompt_token_ids": prompt, "output_token_ids": [pre["first_token_id"]],
-            "sampling": GREEDY, "kv_transfer_params": pre["kv_transfer_params"]}
-    with d.client.stream("POST", "/generate", json=body, headers={"accept": "text/event-stream"}) as r:
+    body = {"request_id": "sse-1", "prompt_token_ids": prompt,
+            "output_token_ids": [pre["first_token_id"]], "sampling": GREEDY,
+            "kv_transfer_params": pre["kv_transfer_params"]}
+    with d.client.stream("POST", "/generate", json=body,
+                         headers={"accept": "text/event-stream"}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -119,7 +128,8 @@ def test_sse_stream_and_client_disconnect_frees_blocks(open_pd, reference):
     assert events[-1]["finish_reason"] == "length" and "timing" in events[-1]
     # A client that leaves mid-stream: the decode worker aborts and frees at once.
     long = {"temperature": 0, "max_tokens": 1500, "ignore_eos": True}
-    with d.client.stream("POST", "/generate", json={"request_id": "gone", "prompt_token_ids": prompt,
+    with d.client.stream("POST", "/generate", json={"request_id": "gone",
+                                                    "prompt_token_ids": prompt,
                                                     "sampling": long}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 2:
@@ -221,11 +231,13 @@ def test_the_workers_openai_endpoint_answers_tool_calls_and_schemas(open_pd):
     base = {"model": "tiny-random", "messages": [{"role": "user", "content": "pick one"}],
             "tools": tools, "temperature": 0, "max_tokens": 64}
     for choice in ({"type": "function", "function": {"name": "pick"}}, "required"):
-        out = httpx.post(f"{d.url}/v1/chat/completions", json={**base, "tool_choice": choice}, timeout=60).json()
+        out = httpx.post(f"{d.url}/v1/chat/completions", json={**base, "tool_choice": choice},
+                         timeout=60).json()
         c = out["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
         call = c["message"]["tool_calls"][0]
-        assert call["function"]["name"] == "pick" and 0 <= json.loads(call["function"]["arguments"])["n"] <= 99
+        assert (call["function"]["name"] == "pick"
+                and 0 <= json.loads(call["function"]["arguments"])["n"] <= 99)
         streamed, finish = {"name": "", "arguments": ""}, None
         with httpx.stream("POST", f"{d.url}/v1/chat/completions", timeout=60,
                           json={**base, "tool_choice": choice, "stream": True}) as r:
@@ -242,5 +254,6 @@ def test_the_workers_openai_endpoint_answers_tool_calls_and_schemas(open_pd):
             "pick", json.loads(call["function"]["arguments"]))
     out = httpx.post(f"{d.url}/v1/chat/completions", timeout=60, json={
         "model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 24,
-        "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": params}}})
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": params}}})
     assert 0 <= json.loads(out.json()["choices"][0]["message"]["content"])["n"] <= 99
