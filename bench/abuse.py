@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from engine.model_store import prepare_smollm2  # noqa: E402
 from testing.cluster import Router  # noqa: E402 - the same process helper as the tests
 
@@ -151,14 +151,14 @@ def main() -> None:
     folder = prepare_smollm2()
     work = Path(args.out).parent
     work.mkdir(parents=True, exist_ok=True)
-    result = {"provenance": provenance(), "clients": args.clients, "seconds": args.seconds,
+    result = {"clients": args.clients, "seconds": args.seconds,
               "idle": run_case(folder, work, None, args.clients, args.seconds)}
     for name in args.cases.split(","):
         result[name] = run_case(folder, work, name, args.clients, args.seconds)
         for q in ("p50_ms", "p99_ms"):
             result[name][f"{q[:3]}_vs_idle"] = round(result[name][q] / result["idle"][q], 2)
         print(name, result[name], flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.attackers import ATTACKS, DEFAULT_ATTACKS, WRITE_TIMEOUT_S, attacker_process  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 from testing.cluster import Router, Worker  # noqa: E402 - the same process helpers as the tests
 
 MODEL = "tiny-random"
@@ -164,7 +165,7 @@ def main() -> None:
     finally:
         for p in reversed(procs):
             p.close()
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
+from provenance import write_result
 
 from loadgen import workload
 
@@ -56,7 +57,7 @@ def main() -> int:
               if med["conditional_only"][k]}
     out = {"model": args.model, "requests": args.requests, "concurrency": 4, "runs": runs,
            "medians": med, "backlog_over_conditional_only": ratios}
-    (ROOT / "bench" / "results" / "backlog.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_result(ROOT / "bench" / "results" / "backlog.json", out)
     print(json.dumps({"medians": med, "ratios": ratios}, indent=2))
     return 0
 

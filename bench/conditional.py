@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
+from provenance import write_result
 
 from loadgen import workload
 
@@ -50,7 +51,7 @@ def main() -> int:
     out = {"model": args.model, "sessions": args.sessions, "turns": args.turns, "runs": results,
            "ratios": ratios}
     path = ROOT / "bench" / "results" / "conditional.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(path, out)
     print(json.dumps(ratios, indent=2))
     return 0
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from engine.linear import PackedLinear  # noqa: E402
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, vocab 49152, 30 layers.
@@ -100,11 +101,8 @@ def main() -> None:
         "linear_one_step": bench_linear([int(r) for r in args.rows.split(",")]),
         "decode_gather_one_layer": bench_gather([(1, 200), (4, 200), (4, 1000), (16, 1000)]),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = ROOT / "bench" / "results" / "cpu_ops.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    write_result(ROOT / "bench" / "results" / "cpu_ops.json", result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ once. JSON with provenance; figures depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -28,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 128
@@ -95,9 +94,8 @@ def main() -> None:
     for t in (int(x) for x in args.threads.split(",")):
         rows.append(run(t, args.port))
         print(rows[-1], flush=True)
-    result = {"provenance": provenance(), "cores": os.cpu_count(), "new_tokens": NEW_TOKENS,
-              "runs": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    result = {"cores": os.cpu_count(), "new_tokens": NEW_TOKENS, "runs": rows}
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
+from provenance import write_result
 
 from loadgen import workload
 
@@ -45,7 +46,7 @@ def main() -> int:
     ratios |= {f"{k}_p50": d[k]["p50"] / c[k]["p50"] for k in ("ttft_s", "itl_s")}
     out = {"model": args.model, "requests": args.requests, "threads_per_worker": args.threads,
            "runs": runs, "disaggregated_over_colocated": ratios}
-    (ROOT / "bench" / "results" / "disagg.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_result(ROOT / "bench" / "results" / "disagg.json", out)
     print(json.dumps(ratios, indent=2))
     return 0
 

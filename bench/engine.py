@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_store import SMOLLM2_ID, resolve_model  # noqa: E402
 
@@ -233,9 +234,8 @@ def main() -> int:
         ratios["tandem_over_vllm_cpu_prefill"] = (
             t[f"prefill_tok_s_1x{PREFILL_LEN}"] / vl[f"prefill_tok_s_1x{PREFILL_LEN}"])
     result["ratios"] = ratios
-    text = json.dumps(result, indent=2)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    write_result(args.out, result)
+    print(json.dumps(result, indent=2))
     return 0
 
 

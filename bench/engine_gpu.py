@@ -17,7 +17,6 @@ a time: the previous passes' loop), "eager" (its graphs set aside: what enforce_
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
 import tempfile
@@ -30,6 +29,7 @@ import torch
 from bench.engine_fidelity import fidelity, set_mode
 from bench.engine_goals import goals, summary
 from bench.engine_profile import gpu_busy, overlapped_steps, replay_ms, sync
+from bench.provenance import write_result
 
 
 @dataclass(frozen=True)
@@ -230,8 +230,7 @@ def run(shapes: list[str], device: str, quick: bool, out: Path) -> dict:
         result["summary"] = {k: summary(v) for k, v in result["shapes"].items()}
         result["goals"] = goals(result["shapes"])
         result["seconds"] = round(time.perf_counter() - t0, 1)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result)
 
     with tempfile.TemporaryDirectory(prefix="tandem-engine-bench-") as workdir:
         for i, shape in enumerate(shapes):

@@ -11,13 +11,16 @@
 # which also copies SmolLM2's tokenizer into WHEELS_DIR/tokenizer). Runs in about 6 minutes on
 # an H200. SECTIONS (environment) picks sections, e.g. SECTIONS=engine,pd to rerun two;
 # each section has its own time limit and a failed one does not stop the next. PYTEST_PATHS
-# narrows the GPU tests (default: tests/engine tests/kv_transfer).
+# narrows the GPU tests (default: tests/engine tests/kv_transfer). gpu_check.json's `provenance`
+# (bench/provenance.py: commit, machine, command, time) takes its commit from COMMIT (environment)
+# where the copy here is no git checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHL=${1:-.whl}
 OUT_DIR=${2:-${OUT:-bench/results/gpu}}
 SECTIONS=${SECTIONS:-env,build,pytest,kernels,transfer,engine,pd}
 PY=${PYTHON:-python3}
+COMMAND="SECTIONS=$SECTIONS bash bench/gpu_check.sh $*"
 mkdir -p "$OUT_DIR"
 PARTS=$(mktemp -d)
 LOG="$OUT_DIR/gpu_check.log"
@@ -106,13 +109,16 @@ for f in "$PARTS"/*.log; do
   [ -f "$f" ] && { echo "=== $(basename "$f" .log)"; cat "$f"; } >>"$LOG"
 done
 
-# One JSON: each section's status, its results, and the GPU tests' outcome.
-"$PY" - "$PARTS" "$OUT_DIR/gpu_check.json" <<'EOF'
+# One JSON: what ran where (provenance), each section's status, its results (each with its own
+# provenance), and the GPU tests' outcome.
+"$PY" - "$PARTS" "$OUT_DIR/gpu_check.json" "$COMMAND" "${COMMIT:-}" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from bench.provenance import provenance
 parts, out = Path(sys.argv[1]), Path(sys.argv[2])
-merged = {}
+merged = {"provenance": provenance(command=sys.argv[3])}
+merged["provenance"]["commit"] = merged["provenance"]["commit"] or sys.argv[4] or None
 for status in sorted(parts.glob("*.status.json")):
     name = status.name.removesuffix(".status.json")
     entry = {"status": json.loads(status.read_text())}

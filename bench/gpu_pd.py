@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
 from engine.tiny import build_tiny_random  # noqa: E402
 from testing.cluster import Router, Worker  # noqa: E402
@@ -129,8 +130,7 @@ def main() -> int:
         for proc in [router, *workers]:
             if proc is not None:
                 proc.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
     return 0 if result.get("all_identical") else 1
 

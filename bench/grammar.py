@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                          "city": {"type": "string"}}}
@@ -173,8 +175,7 @@ def main() -> int:
         print(json.dumps({case: row}), flush=True)
     out["engine"] = engine_overhead(args.repeats)
     print(json.dumps({"engine": out["engine"]}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     return 0
 
 

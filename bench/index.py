@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from common.hashing import hash_member  # noqa: E402
 from common.redis_client import connect  # noqa: E402
 from common.registry import RedisKeys  # noqa: E402
@@ -153,8 +154,7 @@ def main() -> int:
     result = asyncio.run(main_async(args))
     out = Path(args.out or ROOT / "bench" / "results"
                / f"index{'-cluster' if args.cluster else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(json.dumps(result, indent=2))
     return 0
 

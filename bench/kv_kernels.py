@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from kv_transfer import kernels  # noqa: E402
 
 LAYOUTS = {
@@ -204,10 +205,8 @@ def main() -> int:
                                    for n in sizes}
     result["goals"] = goals(result["layouts"])
     result["seconds"] = time.perf_counter() - t0
-    text = json.dumps(result, indent=2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    write_result(args.out, result)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kv_sender import LAYOUTS, Sender, block_bytes, make_cache, transport_config  # noqa: E402
+from provenance import write_result  # noqa: E402
 
 from kv_transfer.connector import KVConnector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
@@ -225,11 +226,11 @@ def main() -> int:
                   file=sys.stderr)
             result["goals"] = goals(result["layouts"], args.device)
             result["seconds"] = time.perf_counter() - t0
-            out.write_text(json.dumps(result, indent=2) + "\n")  # what was measured, so far
+            write_result(out, result)  # what was measured, so far
     errors = [f"{name} {key}: {c['error']}" for name, combos_ in result["layouts"].items()
               for key, c in combos_.items() if isinstance(c, dict) and "error" in c]
     result["errors"] = errors
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(json.dumps(result, indent=2))
     return 1 if errors else 0
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 from clusters import ROOT  # bench/ is on sys.path when run as a script
+from provenance import write_result
 
 from testing.cluster import Router, Worker
 from testing.netns import Link
@@ -158,8 +159,7 @@ def main() -> int:
             link.close()
     out = {"model": args.model, "requests_per_profile": args.requests,
            "background_streams": args.background, "profiles": results}
-    path = ROOT / "bench" / "results" / "network.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(ROOT / "bench" / "results" / "network.json", out)
     print(json.dumps({k: {"plans": v["plans"],
                           "transfer_s_mean_disagg": v["transfer_s_mean_disagg"],
                           "pull_bytes_per_s": v["pull_bytes_per_s"], "e2e_s_mean": v["e2e_s_mean"]}

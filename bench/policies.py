@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from clusters import ROOT, run_on_cluster  # bench/ is on sys.path when run as a script
+from provenance import write_result
 
 from loadgen import workload
 
@@ -63,9 +64,7 @@ def main() -> int:
     out = {"model": args.model, "sessions": args.sessions, "turns": args.turns,
            "concurrency": args.concurrency, "runs": results,
            "repeats": repeats, "ratios": ratios}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(json.dumps(ratios, indent=2))
     return 0
 

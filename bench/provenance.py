@@ -1,10 +1,13 @@
 """What every benchmark result says about itself: the commit it measured (and whether the tree
 had uncommitted changes), the machine (CPU model, cores, memory, GPU), the command and the time,
-so a figure in the docs can be traced to the run behind it."""
+so a figure in the docs can be traced to the run behind it. Every result file a bench script
+writes goes through `write_result` (tests/test_bench_provenance.py checks that none is written
+another way)."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -52,14 +55,27 @@ def _gpu() -> str | None:
         return None
 
 
-def provenance() -> dict:
-    """The `provenance` field of a result file."""
+def provenance(command: str | None = None) -> dict:
+    """The `provenance` field of a result file. `command` is the command that ran, when it is not
+    this process's own (a shell script that merges what its steps wrote)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command or shlex.join([Path(sys.executable).name, *sys.argv]),
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
                     "gpu": _gpu(), "load_average": os.getloadavg()},
     }
+
+
+def write_result(path: str | Path, result: dict, *, indent: int | None = 2) -> Path:
+    """Writes `result` as JSON at `path` (its folder made if missing), `provenance` first and
+    then `result`'s own keys unchanged; returns the path. A script that rewrites its file after
+    each measurement calls it each time (the provenance is then that of the latest write)."""
+    if "provenance" in result:
+        raise ValueError("the result already has a provenance: write_result adds it")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"provenance": provenance(), **result}, indent=indent) + "\n")
+    return path

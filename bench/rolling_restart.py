@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
+from bench.provenance import write_result  # noqa: E402
 from engine.tiny import build_tiny_random  # noqa: E402
 from testing.cluster import two_by_two  # noqa: E402
 from testing.redis_server import REDIS_URL  # noqa: E402
@@ -79,8 +80,7 @@ def main() -> int:
            "failures": result["failures"][:20], "mismatches": result["mismatches"][:20],
            "rss_growth_mib": round(rss[-1] - rss[0], 1) if rss else None,
            "rss_growth_last_half_mib": round(rss[-1] - rss[len(rss) // 2], 1) if rss else None}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=2))
     return 0 if not result["failures"] and not result["mismatches"] else 1
 

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpu_meter import cpu_seconds  # noqa: E402 - bench/ is on sys.path when run as a script
+from provenance import write_result  # noqa: E402
 
 from testing.processes import free_port  # noqa: E402
 
@@ -289,7 +290,7 @@ def main() -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

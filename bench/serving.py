@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # bench/ is on sys.path when run as a script: its siblings import by their bare names.
+from provenance import write_result  # noqa: E402
 from serving_targets import MODEL, RESULTS, Procs, median, start_target  # noqa: E402
 
 
@@ -161,7 +162,7 @@ def main() -> int:
                                                               "output_tok_s")}})
     result = {"threads": args.threads, "output_tokens": args.output_tokens, "repeats": args.repeats,
               "runs": runs, "summary": summary}
-    (RESULTS / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "serving.json", result)
     md = markdown(summary)
     (RESULTS / "serving.md").write_text(md)
     print(md)

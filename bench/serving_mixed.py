@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from serving_targets import MODEL, RESULTS, Procs, median, start_target  # bench/ is on sys.path
+from provenance import write_result  # bench/ is on sys.path
+from serving_targets import MODEL, RESULTS, Procs, median, start_target
 
 
 def run_mixed(url: str, rep: int, out: Path) -> dict:
@@ -66,8 +67,7 @@ def main_mixed(args, targets: list[str], folder: Path, work: Path) -> None:
         summary.append({"target": target, "num_runs": len(rs),
                         **{k: median(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                       "itl_p99_ms", "output_tok_s")}})
-    (RESULTS / "serving_mixed.json").write_text(json.dumps({"runs": runs, "summary": summary},
-                                                           indent=2) + "\n")
+    write_result(RESULTS / "serving_mixed.json", {"runs": runs, "summary": summary})
     md = mixed_markdown(summary, "vllm")
     (RESULTS / "serving_mixed.md").write_text(md)
     print(md)

@@ -52,6 +52,7 @@ from pathlib import Path
 import httpx
 from clusters import ROOT  # bench/ is on sys.path when run as a script
 from cpu_meter import cpu_seconds, host_capacity, own_cpu, run_queue
+from provenance import write_result
 from sim_fit import CHAT_CONCURRENCY, fit, pool
 
 from loadgen import workload
@@ -186,7 +187,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    (out.with_suffix(".measurements.json")).write_text(json.dumps(m, indent=2) + "\n")
+    # The profile file holds CostProfile's fields alone (sim.profile.load refuses any other
+    # key): the provenance goes with the measurements it was fitted from.
+    write_result(out.with_suffix(".measurements.json"), m)
     print(json.dumps(profile.to_json(), indent=2))
     return 0
 

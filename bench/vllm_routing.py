@@ -58,6 +58,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from provenance import write_result  # noqa: E402
 from vllm_routing_load import (  # noqa: E402
     EventTally,
     MidRunPause,
@@ -277,7 +278,7 @@ def write_results(args, runs: list[dict]) -> dict:
               "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "num_blocks": args.num_blocks, "block_size": BLOCK_SIZE, "seed": args.seed,
               "scenarios": SCENARIO_NOTES, "runs": runs, "summary": summarize(runs)}
-    (RESULTS / "vllm_routing.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "vllm_routing.json", result)
     return result
 
 

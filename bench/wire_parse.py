@@ -22,6 +22,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from common.protocol import PrefillResponse, StreamEvent  # noqa: E402
 
 EVENT = b'{"request_id":"chatcmpl-5f1c2a9e0b7d4c3a8e6f1b2c","token_ids":[12345]}'
@@ -90,9 +91,7 @@ def main() -> int:
         for label, payload in payloads.items():
             n = args.n // 10 if label == "prefill" else args.n
             result["us_per_parse"][f"{name}:{label}"] = round(per_call_us(fn, payload, n), 3)
-    out = ROOT / "bench" / "results" / "wire_parse.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(ROOT / "bench" / "results" / "wire_parse.json", result)
     print(json.dumps(result, indent=2))
     return 0
 
