@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev tools demo test test-vllm test-compose lint kernels bench-engine bench-kv gpu-wheels clean
+.PHONY: install install-dev tools demo test test-vllm test-compose lint kernels bench-regress bench-engine bench-kv gpu-wheels clean
 
 DEV_STAMP := $(VENV)/.dev-installed-stamp
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
@@ -77,6 +77,11 @@ kernels: install
 
 bench-kv: install
 	$(BIN)/python bench/kv_transfer.py
+
+# Before committing an engine change: the CPU decode step against the committed baseline.
+bench-regress: install
+	$(BIN)/tandem prepare-model
+	$(BIN)/python bench/engine_regression.py
 
 bench-engine: install
 	$(BIN)/tandem prepare-model
