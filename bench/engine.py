@@ -50,13 +50,15 @@ class Prompts:
         return [[self.rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
-def decode_rate(run, batch: int, n1: int, n2: int) -> float:
-    """tokens/s from the extra tokens of a longer run over a shorter one, best of 2."""
-    best = 0.0
-    for _ in range(2):
-        t1, t2 = run(batch, n1), run(batch, n2)
-        best = max(best, batch * (n2 - n1) / max(t2 - t1, 1e-9))
-    return best
+def decode_rate(run, batch: int, n1: int, n2: int) -> float | None:
+    """tokens/s from the extra tokens of a longer run over a shorter one, each the fastest of
+    two; None when the longer run was not measurably slower (noise swamped the difference: a
+    rate from it would be any number, as a best-of-pairs ratio once gave 2e12 tokens/s)."""
+    t1 = min(run(batch, n1) for _ in range(2))
+    t2 = min(run(batch, n2) for _ in range(2))
+    if t2 - t1 <= 0.05 * t2:
+        return None
+    return batch * (n2 - n1) / (t2 - t1)
 
 
 def bench_tandem(folder: Path, prompts: Prompts, batches, n1, n2, threads, dtype) -> dict:

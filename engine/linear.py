@@ -5,7 +5,9 @@ weight of tens of MB) to MKL, which streams the weight in a layout that wastes m
 memory bandwidth: on the 2-core development machine a SmolLM2 decode step at 4 rows took 81 ms
 in `aten::mm`. oneDNN, given the weight reordered once into its own blocked layout, does the
 same matmul at 1.6-2.5x that speed for 2-16 rows and is not slower for prefill-sized batches
-(`bench/cpu_ops.py` prints the table). That is what vLLM's CPU backend does too.
+(`bench/cpu_ops.py` prints the table). That is what vLLM's CPU backend does too. The machine
+matters: on a later one (`bench/results/cpu_ops.json`) packing lost at 1-2 rows (0.76-0.82x)
+and won 1.24-1.51x at 4-16.
 
 `pack_linears(model)` swaps every `nn.Linear` for a `PackedLinear` holding the reordered weight;
 `LlamaForCausalLM.pack_weights` also packs a copy of a tied LM head (the embedding stays as it is

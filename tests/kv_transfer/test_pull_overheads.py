@@ -15,6 +15,8 @@ from kv_transfer.nixl_peers import NixlParams, NixlPeer
 from kv_transfer.side_stream import SideStream
 from kv_transfer.transport import TransferError, TransferTimeout
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: run alone (Makefile)
+
 
 class FakeAgent:
     """A transfer that is DONE after `checks` status checks (or never, or ends in ERR)."""

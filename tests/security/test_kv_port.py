@@ -25,7 +25,7 @@ from engine import SamplingParams
 from testing.cluster import Worker
 from testing.metrics import series_sum
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.serial, pytest.mark.redis]
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 NUM_CONNECTIONS, WAVE = 1000, 100

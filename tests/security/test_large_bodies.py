@@ -18,6 +18,8 @@ from testing.cluster import Router
 from testing.processes import ROOT
 from tests.polling import wait_for
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: run alone (Makefile)
+
 MODEL = "smollm2-135m-instruct"
 TEMPLATE = ROOT / "templates" / "chatml_tools.jinja"
 

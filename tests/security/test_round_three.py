@@ -26,7 +26,7 @@ from testing.cluster import Router, Worker
 from testing.metrics import series_sum
 from testing.redis_server import REDIS_URL
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.serial, pytest.mark.redis]
 
 MODEL = "tiny-random"
 KEYS = ("attacker-key", "victim-key")

@@ -22,6 +22,8 @@ import torch
 from common.stops import find_stop
 from common.structured import GAVE_UP, check_cost, tokenizer_file_of
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: run alone (Makefile)
+
 BOMB = "((a{1000}){1000})"
 
 
