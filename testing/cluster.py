@@ -22,7 +22,7 @@ from testing.redis_server import REDIS_URL
 
 # The internal token of the clusters this process starts: a new one per process, so no
 # credential is written in code and no worker of one run takes another run's calls.
-TOKEN = secrets.token_urlsafe(24)
+TOKEN = secrets.token_hex(24)  # hex: a urlsafe token may start with "-", read as a flag
 
 
 class Worker:
@@ -42,7 +42,7 @@ class Worker:
         if namespace:
             cmd += ["--redis-url", REDIS_URL, "--namespace", namespace]
         if token:
-            cmd += ["--internal-token", token]
+            cmd += [f"--internal-token={token}"]
         cmd += extra or []
         self.cmd, self.env = cmd, {**os.environ, **(env or {})}
         self.client = httpx.Client(timeout=60,
@@ -189,7 +189,7 @@ class Router:
         if redis_url:
             cmd += ["--redis-url", redis_url, "--namespace", namespace]
         if token:
-            cmd += ["--internal-token", token]
+            cmd += [f"--internal-token={token}"]
         cmd += extra or []
         self.cmd, self.env = cmd, {**os.environ, **(env or {})}
         self.client = httpx.Client(timeout=60)

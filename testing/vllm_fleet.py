@@ -40,7 +40,7 @@ class VLLMBridge:
         if server.options.block_size:
             cmd += ["--block-size", str(server.options.block_size)]
         if token:
-            cmd += ["--internal-token", token]
+            cmd += [f"--internal-token={token}"]
         self.log_path = log_dir / f"bridge-{server.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*cmd, *(extra or [])], cwd=ROOT, stdout=self._log,

@@ -84,3 +84,15 @@ def test_the_internal_token_is_random_in_each_process():
                              text=True, check=True).stdout.strip() for _ in range(2)]
     assert len({*tokens, TOKEN}) == 3
     assert all(len(t) >= 32 for t in (*tokens, TOKEN))
+
+
+def test_a_token_that_looks_like_a_flag_still_reaches_the_worker(tiny_folder, tmp_path):
+    """A urlsafe token starting with "-" once made every worker of one test process exit
+    ("--internal-token: expected one argument"): the harness passes it as --internal-token=T."""
+    token = "-looks-like-a-flag-" * 2
+    w = Worker("colocated", str(tiny_folder), cache_dir=tmp_path, token=token)  # raises if it exits
+    try:
+        out = w.prefill("flag-token", [5, 6, 7, 8, 9], {"temperature": 0, "max_tokens": 2})
+        assert out["request_id"] == "flag-token"
+    finally:
+        w.stop()

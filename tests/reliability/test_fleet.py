@@ -35,7 +35,7 @@ def _pack(role: str, count: int, folder: Path, url: str, ns: str, log: Path) -> 
     cmd = [sys.executable, "-m", "testing.worker_pack", "--count", str(count), role,
            "--model", str(folder), "--port", "0", "--num-blocks", "512", "--block-size", "4",
            "--threads", "1", "--redis-url", url, "--redis-cluster", "--namespace", ns,
-           "--internal-token", TOKEN, "--heartbeat-ttl", "3", "--cache-dir", str(log.parent)]
+           f"--internal-token={TOKEN}", "--heartbeat-ttl", "3", "--cache-dir", str(log.parent)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 

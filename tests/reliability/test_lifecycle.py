@@ -21,7 +21,7 @@ import redis
 
 from common.registry import RedisKeys
 from testing.cluster import TOKEN, two_by_two
-from testing.processes import ROOT, free_port
+from testing.processes import ROOT, alive, descendants, free_port
 from testing.redis_server import REDIS_URL
 from testing.streaming_load import StreamingLoad
 
@@ -83,32 +83,6 @@ def test_rolling_restart_under_streaming_load_loses_nothing(cluster_2p2d):
     assert set(router.client.get("/ready").json()["workers"]) == {w.worker_id for w in workers}
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_path):
     port = free_port()
@@ -132,7 +106,7 @@ def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_p
         for t in streams:
             t.start()
         time.sleep(0.5)  # the streams are running
-        family = _descendants(up.pid)
+        family = descendants(up.pid)
         assert len(family) >= 3  # two workers and the router at least
         up.send_signal(sig)
         for t in streams:
@@ -141,12 +115,12 @@ def test_stopping_tandem_up_leaves_no_process_and_no_key(sig, tiny_folder, tmp_p
         assert len(results) == 2 and all(r in ("done", "error") for r in results), results
         if sig == signal.SIGTERM:
             assert up.wait(60) == 0
-        _wait_until(lambda: not any(_alive(p) for p in family), 40,
-                    f"every process of the cluster gone: {[p for p in family if _alive(p)]}")
+        _wait_until(lambda: not any(alive(p) for p in family), 40,
+                    f"every process of the cluster gone: {[p for p in family if alive(p)]}")
         _wait_until(lambda: not _keys(ns), 10, f"no key of {ns} left: {_keys(ns)}")
     finally:
         for pid in family | {up.pid}:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         up.wait(10)
         log.close()
