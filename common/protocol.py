@@ -7,7 +7,7 @@ converts `SamplingOptions` into its own `engine.SamplingParams`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -146,12 +146,19 @@ class PrefillRequest(BaseModel, _FromTenant):
     cache_salt: CacheSalt | None = None  # its blocks match only requests with the same salt
 
 
+# Cached prompt tokens by the tier their blocks were in at admission (common/block_events.py
+# Medium): "device", "host", "disk".
+CachedByMedium = dict[Literal["device", "host", "disk"],
+                      Annotated[int, Field(ge=0, le=MAX_PROMPT_TOKENS)]]
+
+
 class PrefillResponse(BaseModel):
     request_id: str = Field(max_length=1024)
     # None when the decode leg produces every token (a vLLM backend: its prefill's token is
     # not used, so sampled text stays one draw).
     first_token_id: TokenId | None
     num_cached_tokens: int = Field(ge=0, le=MAX_PROMPT_TOKENS)
+    num_cached_tokens_by_medium: CachedByMedium | None = None
     kv_transfer_params: KVTransferParams
     first_token_logprob: TokenLogprob | None = None
     # Set when the request ended at its first token (EOS, stop, max_tokens=1): no decode leg.
@@ -195,4 +202,5 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = None
     error: str | None = Field(None, max_length=MAX_ERROR_CHARS)
     num_cached_tokens: int | None = Field(None, ge=0, le=MAX_PROMPT_TOKENS)
+    num_cached_tokens_by_medium: CachedByMedium | None = None  # on the last event, with tiers
     timing: RequestTiming | None = None

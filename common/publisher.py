@@ -1,6 +1,6 @@
 """The worker side of the Redis schema (common/registry.py): registration, heartbeat, and the
-worker's block set mirrored into `blocks:{id}` and its shard's event stream
-(common/block_events.py).
+worker's block sets (one per tier: `blocks:{id}`, `blocks-host:{id}`, `blocks-disk:{id}`)
+mirrored into Redis and its shard's event stream (common/block_events.py).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from common.background import BackgroundErrors, cancelling
-from common.block_events import MAX_HASHES_PER_ENTRY, BlockEvent, StreamEntry
+from common.block_events import MAX_HASHES_PER_ENTRY, MEDIA, BlockEvent, StreamEntry
 from common.hashing import hash_member
 from common.redis_client import connect
 from common.registry import RedisKeys, registration_signature
@@ -28,9 +28,13 @@ CLOSE_TIMEOUT_S = 2.0  # the most a worker's shutdown waits on each Redis step
 STREAM_MAXLEN = 100_000
 STREAM_TTL_MS = 5_000
 
+# What a snapshot returns: the device set alone (workers without tiers), or every tier's set by
+# medium ("device", "host", "disk"; a medium left out holds nothing).
+Snapshot = list[int] | Mapping[str, list[int]]
+
 
 class WorkerPublisher:
-    """Registers one worker and mirrors its cached block hashes into Redis.
+    """Registers one worker and mirrors its cached block hashes, per tier, into Redis.
 
     `on_events` may be called from any thread (the engine's); everything else runs on the event
     loop. While Redis is unreachable, events are dropped and a full rewrite is owed: the set is
@@ -43,7 +47,7 @@ class WorkerPublisher:
         keys: RedisKeys,
         worker_id: str,
         info: dict[str, Any],
-        snapshot: Callable[[], Awaitable[list[int]]],
+        snapshot: Callable[[], Awaitable[Snapshot]],
         load: Callable[[], dict[str, Any]],
         ttl_s: float = 10.0,
         flush_interval_s: float = 0.02,
@@ -109,7 +113,7 @@ class WorkerPublisher:
         if deregister:
             try:
                 await asyncio.wait_for(self.redis.delete(self.keys.worker(self.worker_id),
-                                                         self.keys.blocks(self.worker_id)),
+                                                         *self.keys.block_sets(self.worker_id)),
                                        CLOSE_TIMEOUT_S)
                 await asyncio.wait_for(self._send("left"), CLOSE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - best effort on shutdown
@@ -157,24 +161,27 @@ class WorkerPublisher:
             self._pending.clear()
         # Events after this point queue up; the snapshot is taken on the engine thread, so the
         # set written is consistent with the events that follow it.
-        hashes = await self._snapshot()
-        key = self.keys.blocks(self.worker_id)
+        by_medium = by_media(await self._snapshot())
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(key)
-        members = [hash_member(h) for h in hashes]
-        for i in range(0, len(members), 10_000):
-            pipe.sadd(key, *members[i : i + 10_000])
-        pipe.expire(key, int(self.ttl_s))
+        for medium in MEDIA:
+            key = self.keys.blocks(self.worker_id, medium)
+            pipe.delete(key)
+            members = [hash_member(h) for h in by_medium[medium]]
+            for i in range(0, len(members), 10_000):
+                pipe.sadd(key, *members[i : i + 10_000])
+            pipe.expire(key, int(self.ttl_s))
         await pipe.execute()
         # A new epoch: readers re-read the set. Written after the set, so they read the new one.
         self.epoch, self.seq = secrets.token_hex(8), -1
         await self._send("reset")
         self.num_resyncs += 1
 
-    def _append(self, pipe, kind: str, block_hashes: tuple[int, ...] = ()) -> None:
+    def _append(self, pipe, kind: str, block_hashes: tuple[int, ...] = (),
+                medium: str = "device") -> None:
         """Queue the next entry of this worker's stream on `pipe`."""
         self.seq += 1
-        entry = StreamEntry(self.worker_id, self.epoch, self.seq, kind, block_hashes)  # type: ignore[arg-type]
+        entry = StreamEntry(self.worker_id, self.epoch, self.seq, kind,
+                            block_hashes, medium)  # type: ignore[arg-type]
         pipe.xadd(self.stream, entry.fields(), maxlen=STREAM_MAXLEN, approximate=True)
         pipe.pexpire(self.stream, STREAM_TTL_MS)
 
@@ -184,7 +191,7 @@ class WorkerPublisher:
         await pipe.execute()
 
     async def _heartbeat(self) -> None:
-        wkey, bkey = self.keys.worker(self.worker_id), self.keys.blocks(self.worker_id)
+        wkey, bkeys = self.keys.worker(self.worker_id), self.keys.block_sets(self.worker_id)
         # `events`: where this worker's stream stands, so a reader that lost the tail sees it.
         fields = {**self._fields, "load": json.dumps(self._load()),
                   "events": f"{self.epoch}:{self.seq}"}
@@ -195,30 +202,48 @@ class WorkerPublisher:
         pipe.hset(wkey, mapping=fields)
         pipe.expire(wkey, int(self.ttl_s))
         await pipe.execute()
-        await self.redis.expire(bkey, int(self.ttl_s))
+        pipe = self.redis.pipeline(transaction=False)
+        for key in bkeys:
+            pipe.expire(key, int(self.ttl_s))
+        await pipe.execute()
 
     async def _flush(self) -> None:
         with self._lock:
             events, self._pending = self._pending, []
         if not events:
             return
-        key = self.keys.blocks(self.worker_id)
+        keys = self.keys.block_sets(self.worker_id)
         pipe = self.redis.pipeline(transaction=False)
         for ev in events:
-            if ev.kind == "stored":
+            key = self.keys.blocks(self.worker_id, ev.medium)
+            if ev.kind == "stored" and ev.block_hashes:
                 pipe.sadd(key, *[hash_member(h) for h in ev.block_hashes])
-            elif ev.kind == "removed":
+            elif ev.kind == "removed" and ev.block_hashes:
                 pipe.srem(key, *[hash_member(h) for h in ev.block_hashes])
             elif ev.kind == "cleared":
-                pipe.delete(key)
+                pipe.delete(*keys)  # every tier
             # The set first, then the entry: a reader that re-reads the set from an older stream
             # position replays entries it already holds, which changes nothing.
+            medium = "device" if ev.kind == "cleared" else ev.medium
             for i in range(0, max(len(ev.block_hashes), 1), MAX_HASHES_PER_ENTRY):
-                self._append(pipe, ev.kind, ev.block_hashes[i : i + MAX_HASHES_PER_ENTRY])
-        pipe.expire(key, int(self.ttl_s))
+                self._append(pipe, ev.kind, ev.block_hashes[i : i + MAX_HASHES_PER_ENTRY],
+                             medium)
+        for key in keys:
+            pipe.expire(key, int(self.ttl_s))
         try:
             await pipe.execute()
         except Exception:
             with self._lock:  # this batch is lost: owe a rewrite
                 self._resync = True
             raise
+
+
+def by_media(snapshot: Snapshot) -> dict[str, list[int]]:
+    """A snapshot as every tier's hashes (a plain list is the device's); ValueError for a medium
+    that is none of `MEDIA`."""
+    if not isinstance(snapshot, Mapping):
+        return {"device": list(snapshot), "host": [], "disk": []}
+    unknown = set(snapshot) - set(MEDIA)
+    if unknown:
+        raise ValueError(f"snapshot names unknown media {sorted(unknown)}")
+    return {m: list(snapshot.get(m, ())) for m in MEDIA}

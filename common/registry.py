@@ -3,6 +3,9 @@
     tandem:{namespace}:worker:{id}             hash: role, url, model, block_size, capacity,
                                                load (JSON) ...
     tandem:{namespace}:blocks:{ns#shard}:{id}  set of block hashes (`common.hashing.hash_member`)
+                                               on the worker's device
+    tandem:{namespace}:blocks-host:{ns#shard}:{id}  ... in its host-memory tier
+    tandem:{namespace}:blocks-disk:{ns#shard}:{id}  ... in its disk tier
     tandem:{namespace}:events:{ns#shard}       stream of block events (common/block_events.py)
 
 In the keys the braces are literal: they are Redis Cluster hash tags. Worker and block keys
@@ -13,13 +16,15 @@ itself. The worker side (registration, heartbeat, block events) is common/publis
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from common.auth import secrets_equal, sign_json
+from common.block_events import MEDIA, Medium
 from common.bounds import MAX_TOKEN_ID
 from common.model_identity import NAME_PATTERN, is_name
 
@@ -41,8 +46,17 @@ class RedisKeys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}worker:{{{worker_id}}}"
 
-    def blocks(self, worker_id: str) -> str:
-        return f"{self.prefix}blocks:{self._tag(self.event_shard(worker_id))}:{worker_id}"
+    def blocks(self, worker_id: str, medium: Medium = "device") -> str:
+        """The set of the worker's blocks held in tier `medium` (the device set's key is the
+        one of workers before tiers)."""
+        if medium not in MEDIA:
+            raise ValueError(f"unknown medium {medium!r}; media: {', '.join(MEDIA)}")
+        kind = "blocks" if medium == "device" else f"blocks-{medium}"
+        return f"{self.prefix}{kind}:{self._tag(self.event_shard(worker_id))}:{worker_id}"
+
+    def block_sets(self, worker_id: str) -> list[str]:
+        """Every tier's set of the worker, in `MEDIA` order (one hash tag: one slot)."""
+        return [self.blocks(worker_id, m) for m in MEDIA]
 
     def events(self, shard: int) -> str:
         return f"{self.prefix}events:{self._tag(shard)}"
@@ -70,6 +84,31 @@ _COUNT = Field(0, ge=0, le=1 << 40)
 ServedName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
 
+MAX_RELOAD_TOKENS_PER_S = 1e10  # a reported reload rate above this is taken as this
+
+
+class ReloadRates(BaseModel):
+    """Prompt tokens per second a worker measured reloading its KV blocks from each lower tier
+    into its device pool; None until measured. A value that is not a finite positive number is
+    taken as unmeasured (not a refused registration), one above `MAX_RELOAD_TOKENS_PER_S` as
+    that: the router prices tier hits with them (router/policy.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    host: float | None = None
+    disk: float | None = None
+
+    @field_validator("host", "disk", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        rate = float(value)
+        if not math.isfinite(rate) or rate <= 0:
+            return None
+        return min(rate, MAX_RELOAD_TOKENS_PER_S)
+
+
 class WorkerLoad(BaseModel):
     """A worker's `load` field (JSON), as the router reads it: every count bounded."""
 
@@ -84,6 +123,12 @@ class WorkerLoad(BaseModel):
     importing: int = _COUNT
     prefill_inflight: int = _COUNT
     waiting_tokens: int = _COUNT
+    reload_tokens_per_s: ReloadRates = Field(default_factory=ReloadRates)
+
+    @field_validator("reload_tokens_per_s", mode="before")
+    @classmethod
+    def _rates(cls, value: Any) -> Any:
+        return value if isinstance(value, dict) else {}  # anything else: unmeasured
 
 
 class ProbedModel(BaseModel):

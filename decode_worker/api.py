@@ -63,7 +63,9 @@ def _event(rid: str, out: RequestOutput, with_logprobs: bool) -> StreamEvent:
                for lp in out.logprobs[-len(out.new_token_ids):]] if out.new_token_ids else []
     return StreamEvent(request_id=rid, token_ids=out.new_token_ids, logprobs=lps,
                        finish_reason=out.finish_reason,
-                       num_cached_tokens=out.num_cached_tokens if out.finished else None)
+                       num_cached_tokens=out.num_cached_tokens if out.finished else None,
+                       num_cached_tokens_by_medium=(out.num_cached_tokens_by_medium
+                                                    if out.finished else None))
 
 
 def _frame(ev: StreamEvent, sse: bool, final: bool = False) -> bytes:

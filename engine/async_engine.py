@@ -21,6 +21,13 @@ from engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 
+_TIER_POLL_S = 0.05
+
+
+def _noop() -> None:
+    pass
+
+
 def _fail() -> None:
     raise InjectedFault("injected engine fault")
 
@@ -53,6 +60,7 @@ class AsyncEngine(EngineClient):
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.engine.close)
 
     @property
     def alive(self) -> bool:
@@ -62,7 +70,7 @@ class AsyncEngine(EngineClient):
         engine = self.engine
         try:
             while True:
-                if not engine.scheduler.has_work() and not self._execute(self._commands.get()):
+                if not engine.scheduler.has_work() and not self._execute(self._idle_wait()):
                     return  # idle: sleep until a command arrives
                 while True:  # run everything queued before the next step
                     try:
@@ -82,6 +90,16 @@ class AsyncEngine(EngineClient):
             log.exception("engine thread died")
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _idle_wait(self):
+        """The next command; while the KV tiers copy, a no-op after a moment (their events are
+        handed on from this thread)."""
+        if not self.engine.background_busy:
+            return self._commands.get()
+        try:
+            return self._commands.get(timeout=_TIER_POLL_S)
+        except queue.Empty:
+            return _noop
 
     @staticmethod
     def _execute(cmd) -> bool:

@@ -1,13 +1,26 @@
 """The pool of KV-cache blocks: reference counts, an LRU free list whose blocks keep their
 contents (so a freed block can still be a prefix-cache hit until it is reused), the
-hash -> block map, and the stream of block events that workers publish to the router's index."""
+hash -> block map, and the stream of block events that workers publish to the router's index.
+
+With KV tiers (engine/kv_tiers.py) an `offloader` is told when a cached block becomes unreferenced
+(copy it down, off the step) and before such a block is handed out again (the copy must not read
+it after that)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common.block_events import BlockEvent
+
+
+class BlockOffloader(Protocol):
+    def offload(self, block_id: int, block_hash: int) -> None:
+        """Cached block `block_id` is unreferenced: its contents may be copied (later)."""
+
+    def evicting(self, block_id: int) -> None:
+        """Block `block_id` is about to be overwritten: return once no copy of it runs."""
 
 
 @dataclass
@@ -21,6 +34,7 @@ class Block:
 class BlockPool:
     num_blocks: int
     enable_caching: bool = True
+    offloader: BlockOffloader | None = None
     blocks: list[Block] = field(init=False)
     _free: OrderedDict[int, None] = field(init=False)  # LRU order: first = evicted first
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
@@ -51,6 +65,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                if self.offloader is not None:
+                    self.offloader.evicting(block_id)
                 if self._cached.get(block.block_hash) == block_id:
                     del self._cached[block.block_hash]
                     removed.append(block.block_hash)
@@ -95,6 +111,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if block.block_hash is not None and self.offloader is not None:
+                    self.offloader.offload(block_id, block.block_hash)
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Record that `block_id` holds the full block with `block_hash`."""
@@ -114,6 +132,8 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
+            if block.block_hash is not None and self.offloader is not None:
+                self.offloader.evicting(block.block_id)
             block.block_hash = None
         self._cached.clear()
         self._events.append(BlockEvent("cleared"))

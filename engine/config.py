@@ -162,6 +162,13 @@ class EngineConfig:
     # "fair": the batch shared between the clients requests are tagged with
     # (engine/fair_share.py); "fcfs": tags ignored, first come, first served.
     scheduling_policy: str = "fair"
+    # KV tiers below the device pool (engine/kv_tiers.py): blocks evicted from it are kept in
+    # host memory (this many bytes; 0: no host tier) and spill from there to block files in
+    # `disk_kv_dir` (at most `disk_kv_bytes`; None: no disk tier), from where a later prefix
+    # hit reloads them. The disk tier survives a restart on the same folder.
+    host_kv_bytes: int = 0
+    disk_kv_dir: str | None = None
+    disk_kv_bytes: int = 10 << 30
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -183,6 +190,8 @@ class EngineConfig:
         if self.scheduling_policy not in ("fair", "fcfs"):
             raise ValueError("scheduling_policy must be fair or fcfs, "
                              f"got {self.scheduling_policy!r}")
+        if self.host_kv_bytes < 0 or self.disk_kv_bytes < 0:
+            raise ValueError("host_kv_bytes and disk_kv_bytes must be >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):

@@ -29,9 +29,10 @@ from engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 # What the API process may run here: the engine's request methods, nothing else.
+_TIER_POLL_S = 0.05
 REMOTE_METHODS = frozenset({
     "add_request", "import_request", "finish_import", "abort_request", "park_request", "release",
-    "block_table", "cached_hashes", "stats",
+    "block_table", "cached_hashes", "cached_hashes_by_medium", "stats",
 })
 
 
@@ -63,6 +64,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = log
     _send(conn, ("ready", describe(engine)))
     try:
         EngineCoreLoop(engine, conn).run()
+        engine.close()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("API process went away; engine core exits")
     except BaseException as e:  # noqa: BLE001 - the client fails every waiter with it
@@ -83,7 +85,9 @@ class EngineCoreLoop:
         engine, conn = self.engine, self.conn
         while True:
             if not engine.scheduler.has_work():
-                conn.poll(None)  # idle: sleep until a message arrives
+                # idle: sleep until a message arrives (or, while the KV tiers copy, a moment:
+                # their events are published from here)
+                conn.poll(_TIER_POLL_S if engine.background_busy else None)
             posted = False
             while conn.poll(0):  # everything queued runs before the next step
                 msg = conn.recv()

@@ -1,18 +1,26 @@
 """Per-sequence block accounting on top of the `BlockPool`: prefix-cache lookup at admission,
-slot allocation as a sequence grows, hashing of blocks as they fill, and freeing."""
+slot allocation as a sequence grows, hashing of blocks as they fill, and freeing.
+
+With KV tiers (engine/kv_tiers.py), the prefix lookup continues past the device pool's hits in
+the host and disk tiers, and reloads what it finds there into device blocks, which join the
+prefix cache: admission then sees them as device hits. The reload is synchronous (a copy per
+block from host memory, a file read per block from disk), on the engine's thread."""
 
 from __future__ import annotations
 
 from common.hashing import BlockHasher
 from engine.block_pool import BlockPool
+from engine.kv_tiers import KVTiers
 from engine.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, hasher: BlockHasher) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, hasher: BlockHasher,
+                 tiers: KVTiers | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.hasher = hasher
+        self.tiers = tiers
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -21,6 +29,32 @@ class KVCacheManager:
         """Cached blocks for the longest prefix of `seq`, leaving at least one token to compute
         (the last position's logits are needed to sample)."""
         self.update_hashes(seq, seq.num_tokens - 1)
+        hits = self.pool.lookup(seq.block_hashes)
+        if (self.tiers is not None and self.pool.enable_caching
+                and len(hits) < len(seq.block_hashes)):
+            hits = self._reload(seq, hits)
+        return hits
+
+    def _reload(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """Continue the device prefix `hits` with blocks reloaded from the tiers below; the
+        longer device prefix."""
+        rest = seq.block_hashes[len(hits):]
+        media = self.tiers.lookup(rest)
+        if not media:
+            return hits
+        self.pool.touch(hits)  # the blocks allocated below must not evict the device hits
+        try:
+            num = min(len(media), self.pool.num_free_blocks)
+            block_ids = self.pool.allocate(num)
+            num_loaded = self.tiers.reload(rest[:num], media[:num], block_ids)
+            loaded = zip(block_ids[:num_loaded], rest[:num_loaded], media[:num_loaded],
+                         strict=True)
+            for block_id, block_hash, medium in loaded:
+                self.pool.cache_block(block_id, block_hash)
+                seq.reloaded_media[block_hash] = medium
+            self.pool.free(list(reversed(block_ids)))  # cached (or, past a failure, plain) free
+        finally:
+            self.pool.free(list(reversed(hits)))
         return self.pool.lookup(seq.block_hashes)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int]) -> bool:
@@ -42,11 +76,19 @@ class KVCacheManager:
             seq.block_table.extend(prefix_blocks)
             seq.num_computed_tokens = len(prefix_blocks) * self.block_size
             seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_cached_tokens_by_medium = self._by_medium(seq, len(prefix_blocks))
         needed = (self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
                   - len(seq.block_table))
         if needed > 0:
             seq.block_table.extend(self.pool.allocate(needed))
         return True
+
+    def _by_medium(self, seq: Sequence, num_blocks: int) -> dict[str, int]:
+        """Cached tokens of `seq`'s first `num_blocks` blocks by the tier they came from."""
+        out = {"device": 0, "host": 0, "disk": 0}
+        for block_hash in seq.block_hashes[:num_blocks]:
+            out[seq.reloaded_media.get(block_hash, "device")] += self.block_size
+        return out
 
     def update_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq.block_hashes` to cover the full blocks among its first `num_tokens`."""

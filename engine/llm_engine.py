@@ -26,6 +26,7 @@ from engine.decode_pipeline import DecodePipeline
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_imports import KVImports
+from engine.kv_tiers import build_kv_tiers
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.output import RequestOutput, output_of
@@ -78,8 +79,11 @@ class LLMEngine:
             (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim),
             self.dtype, self.device, config.kv_cache_path)
         self.hasher = BlockHasher(self.model_digest, self.block_size, config.hash_salt)
-        self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, self.block_size, self.hasher)
+        # Host and disk tiers below the device pool, if configured (engine/kv_tiers.py).
+        self.tiers = build_kv_tiers(config, self.kv_cache, self.model_digest, self.hasher.seed)
+        self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching,
+                              offloader=self.tiers)
+        self.kv = KVCacheManager(self.pool, self.block_size, self.hasher, self.tiers)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_long_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device,
@@ -188,7 +192,8 @@ class LLMEngine:
         return bool(self.scheduler.has_work() or self.imports)
 
     def drain_events(self) -> list[BlockEvent]:
-        return self.pool.drain_events()
+        events = self.pool.drain_events()
+        return events + self.tiers.drain_events() if self.tiers is not None else events
 
     def cached_hashes(self) -> list[int]:
         """Every cached block hash, for a full rewrite of this worker's block set; the events
@@ -196,11 +201,30 @@ class LLMEngine:
         self.pool.drain_events()
         return self.pool.cached_hashes()
 
-    def stats(self) -> dict[str, int]:
-        """The load figures the worker publishes and exports as metrics."""
+    def cached_hashes_by_medium(self) -> dict[str, list[int]]:
+        """`cached_hashes` for every tier (device, host, disk); drops every undrained event."""
+        self.pool.drain_events()
+        tiers = self.tiers.hashes_by_medium() if self.tiers is not None else {}
+        return {"device": self.pool.cached_hashes(), "host": tiers.get("host", []),
+                "disk": tiers.get("disk", [])}
+
+    @property
+    def background_busy(self) -> bool:
+        """Tier copies queued or tier events not drained: the loops poll for events while so."""
+        return self.tiers is not None and self.tiers.busy
+
+    def close(self) -> None:
+        """Stop the engine's own threads (the KV tiers')."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def stats(self) -> dict:
+        """The load figures the worker publishes and exports as metrics (with tiers: their
+        counters under `kv_tiers` and `reload_tokens_per_s` by tier)."""
         return {**self.scheduler.stats(), "free_blocks": self.pool.num_free_blocks,
                 "num_blocks": self.num_blocks, "held": len(self.held),
-                "importing": len(self.imports)}
+                "importing": len(self.imports),
+                **(self.tiers.stats() if self.tiers is not None else {})}
 
     # ---- stepping -------------------------------------------------------------------------
 

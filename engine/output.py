@@ -21,6 +21,8 @@ class RequestOutput:
     arrival_time: float = 0.0  # monotonic seconds
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # num_cached_tokens by the tier the blocks were in at admission: device, host, disk
+    num_cached_tokens_by_medium: dict[str, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -42,4 +44,5 @@ def output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         arrival_time=seq.arrival_time,
         first_scheduled_time=seq.first_scheduled_time,
         first_token_time=seq.first_token_time,
+        num_cached_tokens_by_medium=seq.num_cached_tokens_by_medium,
     )

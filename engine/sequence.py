@@ -40,6 +40,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # ... of which by the tier they were in ("device", "host", "disk"); None: none cached
+    num_cached_tokens_by_medium: dict[str, int] | None = None
+    reloaded_media: dict[int, str] = field(default_factory=dict)  # block hash -> tier reloaded from
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full blocks
     num_published_blocks: int = 0  # leading blocks already offered to the prefix cache

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.bounds import INT32_MAX
 
+KV_ORDER = "block_layer_kv_nhd"  # the one layout of the cache (and of a disk tier's files)
 _COMPARED = ("model_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
 
 

@@ -87,6 +87,44 @@ class Runner:
         print(file=sys.stderr)
         return self.records
 
+    async def run_round_robin(self, sessions: list[Session],
+                              shuffle_seed: int | None = None) -> list[RequestRecord]:
+        """Sessions visited round-robin: turn t of every session before turn t+1 of any, at most
+        `concurrency` requests in flight, so a session comes back only after every other one ran
+        (the traffic that outgrows a worker's KV cache). With `shuffle_seed` each round visits the
+        sessions in another seeded order. A session whose answer failed sends no more turns."""
+        c = self.config
+        if c.concurrency is None:
+            raise ValueError("round-robin runs are closed loop: give concurrency")
+        self._total = sum(len(s.turns) for s in sessions)
+        rng = random.Random(shuffle_seed)
+        history = {s.session_id: [{"role": "system", "content": s.system}] if s.system else []
+                   for s in sessions}
+        failed: set[int] = set()
+        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+        async with httpx.AsyncClient(base_url=c.base_url.rstrip("/"), headers=headers,
+                                     timeout=c.timeout_s) as http:
+            slots = asyncio.Semaphore(c.concurrency)
+
+            async def visit(s: Session, i: int) -> None:
+                async with slots:
+                    messages = history[s.session_id]
+                    messages.append({"role": "user", "content": s.turns[i].user})
+                    rec, text = await self._one(http, s.session_id, i, messages,
+                                                s.turns[i].max_tokens)
+                self.records.append(rec)
+                if rec.error:
+                    failed.add(s.session_id)
+                messages.append({"role": "assistant", "content": text})
+
+            for i in range(max((len(s.turns) for s in sessions), default=0)):
+                due = [s for s in sessions if i < len(s.turns) and s.session_id not in failed]
+                if shuffle_seed is not None:
+                    rng.shuffle(due)
+                # Started in order: the semaphore admits them first come, first served.
+                await asyncio.gather(*[visit(s, i) for s in due])
+        return self.records
+
     async def _session(self, http: httpx.AsyncClient, s: Session) -> None:
         messages = [{"role": "system", "content": s.system}] if s.system else []
         for i, turn in enumerate(s.turns):

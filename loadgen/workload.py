@@ -1,5 +1,6 @@
-"""Seeded workloads: multi-turn chat sessions, shared-system-prompt traffic, and a mix of
-long-prompt/short-answer with short-prompt/long-answer requests.
+"""Seeded workloads: multi-turn chat sessions, shared-system-prompt traffic, a mix of
+long-prompt/short-answer with short-prompt/long-answer requests, agents over long shared
+contexts, and prompts that share nothing.
 
 A workload is a list of `Session`s; a session is a list of turns sent one after another (each
 turn's messages are the history so far plus the new user message; the answers received are
@@ -63,7 +64,32 @@ def mixed(num_requests: int, seed: int = 0, long_prompt_words: int = 300,
     return out
 
 
-WORKLOADS = {"multi-turn": multi_turn, "shared-system": shared_system, "mixed": mixed}
+def agentic(num_sessions: int, seed: int = 0, num_contexts: int = 4, context_words: int = 400,
+            steps: int = 3, tool_words: int = 50, max_tokens: int = 16) -> list[Session]:
+    """Agents over long shared contexts (a repository, a document set): `num_contexts` long
+    system prompts, each shared by the sessions assigned to it in turn, and per step a tool
+    output (the new user message) appended to the history. Sent round-robin
+    (`Runner.run_round_robin`), each agent comes back only after every other one took a step:
+    the long think time of agentic traffic."""
+    rng = random.Random(seed)
+    contexts = [_text(rng, context_words) for _ in range(num_contexts)]
+    return [Session(i, contexts[i % num_contexts],
+                    [Turn("Tool output: " + _text(rng, tool_words), max_tokens)
+                     for _ in range(steps)])
+            for i in range(num_sessions)]
+
+
+def no_reuse(num_requests: int, seed: int = 0, prompt_words: int = 300,
+             max_tokens: int = 16) -> list[Session]:
+    """Fresh prompts that share nothing past the chat template's first tokens: every prefix
+    lookup misses (what a KV cache, or its tiers, cost when they cannot help)."""
+    rng = random.Random(seed)
+    return [Session(i, _text(rng, prompt_words), [Turn(_text(rng, 10), max_tokens)])
+            for i in range(num_requests)]
+
+
+WORKLOADS = {"multi-turn": multi_turn, "shared-system": shared_system, "mixed": mixed,
+             "agentic": agentic, "no-reuse": no_reuse}
 
 
 def build(name: str, size: int, seed: int = 0) -> list[Session]:

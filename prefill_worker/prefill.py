@@ -76,6 +76,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         request_id=request_id,
         first_token_id=out.token_ids[0],
         num_cached_tokens=out.num_cached_tokens,
+        num_cached_tokens_by_medium=out.num_cached_tokens_by_medium,
         kv_transfer_params=kv,
         first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
                             if lp else None,

@@ -36,12 +36,23 @@ class Trace:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     num_cached_tokens: int = 0
+    # num_cached_tokens by the KV tier its blocks came from ({"device", "host", "disk"}); None
+    # when the worker that computed the prompt cached some but did not split them (a vLLM backend)
+    num_cached_tokens_by_medium: dict[str, int] | None = None
     prefill_s: float = 0.0
     retries: int = 0
     resumed: int = 0
     fallback: str | None = None
     first_token_at: float | None = None  # perf_counter() when the router had the first token
     worker_timing: RequestTiming = field(default_factory=RequestTiming)
+
+    def record_cached(self, num_cached_tokens: int, by_medium: dict[str, int] | None) -> None:
+        """The cached prompt tokens that the worker which computed the prompt reported, and
+        their split by tier (a worker sends none when nothing was cached: all zeros then)."""
+        self.num_cached_tokens = num_cached_tokens
+        if by_medium is None and num_cached_tokens == 0:
+            by_medium = {"device": 0, "host": 0, "disk": 0}
+        self.num_cached_tokens_by_medium = dict(by_medium) if by_medium is not None else None
 
 
 class Dispatcher:
@@ -92,7 +103,7 @@ class Dispatcher:
                 decode.inflight -= 1
             if got is not None:
                 pre, prefilled_on = got
-                trace.num_cached_tokens = pre.num_cached_tokens
+                trace.record_cached(pre.num_cached_tokens, pre.num_cached_tokens_by_medium)
                 kv_params = pre.kv_transfer_params
                 first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
@@ -141,7 +152,8 @@ class Dispatcher:
                             trace.worker_timing = ev.timing or RequestTiming()
                             learn_bandwidth(decode, trace.worker_timing)
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
-                                trace.num_cached_tokens = ev.num_cached_tokens
+                                trace.record_cached(ev.num_cached_tokens,
+                                                    ev.num_cached_tokens_by_medium)
                         yield ev
                         if ev.finish_reason is not None:
                             self.directory.record_success(decode)

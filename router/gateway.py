@@ -177,12 +177,14 @@ class Gateway:
                 self.metrics.redis_up.set(0 if self.directory.redis_ok is False else 1)
         try:
             plan = plan_for(self.policy, len(prompt), matches, live,
-                            len(lookup.chains.get(model.block_size, ())), model.block_size)
+                            len(lookup.chains.get(model.block_size, ())), model.block_size,
+                            lookup.media)
         except NoWorkers as e:
             raise APIError(503, f"{e} for model {model.name!r}", "no_workers",
                            headers={"Retry-After": "1"}) from e
         lookup.record(plan, self.directory.workers)
         self.metrics.route.labels(plan.kind, model.name).inc()
+        self.metrics.count_cached(plan, model.name)
         self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
         return plan
 

@@ -4,12 +4,16 @@ Two backends read what workers publish (common/publisher.py), named in `INDEXES`
 
 - `replica` (default): the router's own copy of every set, fed by the workers' event streams
   (router/replica.py, router/replica_feed.py); a lookup never leaves the process.
-- `redis`: one Lua round trip per lookup over the sets in Redis (one per shard on a cluster);
-  no copy in the router, every lookup ships the prompt's hashes.
+- `redis`: one Lua round trip per lookup over the sets in Redis (one per shard on a cluster;
+  router/lookup_scripts.py); no copy in the router, every lookup ships the prompt's hashes.
 
 `MemoryPrefixIndex` has the same `match`/`record` interface for single-router development and
 learns only from the router's own decisions (and the router's approximate index of vLLM
 backends, which publish nothing).
+
+`match` counts device blocks only; `match_by_medium` counts a leading run held in any KV tier,
+split by tier (router/tiered_match.py). The published indexes agree on both; the indexes that
+learn from routing know of no tier and answer every block as a device block.
 """
 
 from __future__ import annotations
@@ -23,68 +27,10 @@ from common.background import BackgroundErrors
 from common.hashing import hash_member
 from common.redis_client import slot_groups
 from common.registry import RedisKeys
+from router.lookup_scripts import SEARCHES, tiered
 from router.replica import BlockReplica
 from router.replica_feed import ReplicaFeed
-
-# KEYS = blocks:{id} per candidate worker; ARGV = the prompt's block hashes in order.
-# Returns, per worker, the number of leading hashes present, stopping at the first miss.
-# Membership is asked in chunks with SMISMEMBER (Redis >= 6.2): one call per chunk instead of
-# one per block, and the first chunk is small so workers that hold nothing cost one call.
-_LEADING_MATCH_LUA = """
-local out = {}
-local n_args = #ARGV
-for i, key in ipairs(KEYS) do
-  local n, start, size = 0, 1, 8
-  while start <= n_args do
-    local stop = math.min(start + size - 1, n_args)
-    local hits = redis.call('SMISMEMBER', key, unpack(ARGV, start, stop))
-    local all = true
-    for k = 1, #hits do
-      if hits[k] == 1 then n = n + 1 else all = false break end
-    end
-    if not all then break end
-    start = stop + 1
-    size = math.min(size * 4, 512)
-  end
-  out[i] = n
-end
-return out
-"""
-
-
-# Galloping variant: probe blocks 1, 2, 4, 8, ... until a miss, then binary-search the gap, so a
-# worker costs O(log matched) lookups instead of O(matched). It assumes a worker's blocks of one
-# chain form a prefix, which the workers' eviction order keeps true (a sequence's blocks are freed
-# tail first and evicted least-recently-freed first); where a middle block was evicted anyway, it
-# can overcount, which only misplaces a request, never corrupts one (workers compute what they
-# lack).
-_GALLOP_LUA = """
-local out = {}
-local n_args = #ARGV
-for i, key in ipairs(KEYS) do
-  local lo, hi = 0, nil  -- ARGV[1..lo] held (assumed), ARGV[hi] missing
-  local probe = 1
-  while probe <= n_args do
-    if redis.call('SISMEMBER', key, ARGV[probe]) == 1 then lo = probe; probe = probe * 2
-    else hi = probe break end
-  end
-  if hi == nil then
-    if lo < n_args then
-      if redis.call('SISMEMBER', key, ARGV[n_args]) == 1 then lo = n_args else hi = n_args end
-    end
-  end
-  if hi ~= nil then
-    while hi - lo > 1 do
-      local mid = math.floor((lo + hi) / 2)
-      if redis.call('SISMEMBER', key, ARGV[mid]) == 1 then lo = mid else hi = mid end
-    end
-  end
-  out[i] = lo
-end
-return out
-"""
-
-SEARCHES = {"exact": _LEADING_MATCH_LUA, "gallop": _GALLOP_LUA}
+from router.tiered_match import MatchByMedium, leading_by_medium
 
 
 def _check_search(search: str) -> None:
@@ -102,7 +48,11 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 class PrefixIndex(Protocol):
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
-        """Leading matched blocks per worker id (0 for unknown workers)."""
+        """Leading matched blocks per worker id (0 for unknown workers), on the device."""
+
+    async def match_by_medium(self, block_hashes: list[int], worker_ids: list[str]
+                              ) -> dict[str, MatchByMedium]:
+        """Each worker id's leading run held in any tier, split by tier (all 0: unknown)."""
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         """The router routed these blocks to `worker_id` (used by approximate backends)."""
@@ -128,23 +78,39 @@ class RedisPrefixIndex:
         self.keys = keys
         self.cluster = cluster
         self._script = redis.register_script(SEARCHES[search])
+        self._tiered = redis.register_script(tiered(search))
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         if not block_hashes or not worker_ids:
             return dict.fromkeys(worker_ids, 0)
-        keys = [self.keys.blocks(w) for w in worker_ids]
+        answers = await self._run(self._script, block_hashes, worker_ids,
+                                  lambda w: [self.keys.blocks(w)])
+        return {w: int(c) for w, c in answers.items()}
+
+    async def match_by_medium(self, block_hashes: list[int], worker_ids: list[str]
+                              ) -> dict[str, MatchByMedium]:
+        if not block_hashes or not worker_ids:
+            return dict.fromkeys(worker_ids, MatchByMedium())
+        answers = await self._run(self._tiered, block_hashes, worker_ids, self.keys.block_sets)
+        return {w: MatchByMedium(*(int(n) for n in c)) for w, c in answers.items()}
+
+    async def _run(self, script, block_hashes: list[int], worker_ids: list[str],
+                   keys_of) -> dict[str, object]:
+        """`script` over each worker's keys (`keys_of(worker id)`, one slot per worker): its
+        answer per worker id."""
         args = [hash_member(h) for h in block_hashes]
+        per_worker = [keys_of(w) for w in worker_ids]
         if not self.cluster:
-            counts = await self._script(keys=keys, args=args)
-            return {w: int(c) for w, c in zip(worker_ids, counts, strict=True)}
+            answers = await script(keys=[k for ks in per_worker for k in ks], args=args)
+            return dict(zip(worker_ids, answers, strict=True))
         # A script may touch one slot: one call per shard's slot, in parallel, merged.
-        groups = list(slot_groups(keys).values())
-        answers = await asyncio.gather(*(self._script(keys=[keys[i] for i in g], args=args)
-                                         for g in groups))
+        groups = list(slot_groups([ks[0] for ks in per_worker]).values())
+        answers = await asyncio.gather(*(
+            script(keys=[k for i in g for k in per_worker[i]], args=args) for g in groups))
         out = {}
         for group, counts in zip(groups, answers, strict=True):
             for i, c in zip(group, counts, strict=True):
-                out[worker_ids[i]] = int(c)
+                out[worker_ids[i]] = c
         return out
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
@@ -173,6 +139,10 @@ class ReplicaPrefixIndex:
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         return self.replica.match(block_hashes, worker_ids, self.search)
+
+    async def match_by_medium(self, block_hashes: list[int], worker_ids: list[str]
+                              ) -> dict[str, MatchByMedium]:
+        return self.replica.match_by_medium(block_hashes, worker_ids, self.search)
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         pass  # workers publish what they really hold
@@ -215,6 +185,12 @@ class MemoryPrefixIndex:
 
     async def match(self, block_hashes: list[int], worker_ids: list[str]) -> dict[str, int]:
         return {w: leading_count(block_hashes, self._sets.get(w, {})) for w in worker_ids}
+
+    async def match_by_medium(self, block_hashes: list[int], worker_ids: list[str]
+                              ) -> dict[str, MatchByMedium]:
+        """What it learned from routing: all device blocks (a routed prompt is computed)."""
+        return {w: leading_by_medium(block_hashes, {"device": self._sets.get(w, {})})
+                for w in worker_ids}
 
     def record(self, worker_id: str, block_hashes: list[int]) -> None:
         held = self._sets.setdefault(worker_id, {})

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.block_events import MEDIA
+
+if TYPE_CHECKING:
+    from router.policy import Plan
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -41,6 +48,10 @@ class RouterMetrics:
                                   "Prompt tokens served from cache", ["pool", "model"], registry=r)
         self.route = Counter("tandem_route_decisions", "Plans chosen",
                              ["plan", "model"], registry=r)
+        self.cached_tokens = Counter("tandem_router_cached_tokens",
+                                     "Prompt tokens routed to a worker that holds them, by the "
+                                     "KV tier it holds them in (as planned)",
+                                     ["medium", "model"], registry=r)
         self.retries = Counter("tandem_retries", "Retries and resumes",
                                ["kind", "model"], registry=r)
         self.models = Gauge("tandem_served_models", "Models with a live worker", registry=r)
@@ -64,6 +75,18 @@ class RouterMetrics:
                 self.hit_tokens.labels(pool, model)
             for kind in ("prefill", "resume"):  # the retries the dispatcher counts
                 self.retries.labels(kind, model)
+            for medium in MEDIA:
+                self.cached_tokens.labels(medium, model)
+
+    def count_cached(self, plan: Plan, model: str) -> None:
+        """The prompt tokens `plan` counts on as cached on its prefilling worker, by tier."""
+        worker = plan.prefill or plan.decode
+        media = plan.cached_media
+        counts = ((("device", plan.cached_blocks),) if media is None else
+                  (("device", media.device), ("host", media.host), ("disk", media.disk)))
+        for medium, n in counts:
+            if n:
+                self.cached_tokens.labels(medium, model).inc(n * worker.block_size)
 
     def count(self, status: int, model: str) -> None:
         self.requests.labels(str(status), model if model in self._known else NO_MODEL).inc()

@@ -9,6 +9,10 @@ from which source that is known.
 
 A model's workers may use several block sizes (Tandem's 16 beside vLLM's 128): the prompt is
 hashed once per size, and each worker is matched and recorded in blocks of its own size.
+
+A worker's match is its leading run held in any of its KV tiers (device, host, disk); `media`
+says, per published worker, how that run splits by tier (router/tiered_match.py), which the
+policy prices at the worker's reload rates. The other sources know of the device only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from router.index import UNAVAILABLE
 from router.models import ServedModel
 from router.policy import Plan
 from router.speculative import SpeculativeIndex
+from router.tiered_match import MatchByMedium
 from router.worker_info import WorkerInfo
 
 
@@ -46,10 +51,12 @@ class PrefixLookup:
         self.cache_salt = cache_salt  # the request's chain root (common/hashing.py chain_root)
         self.chains: dict[int, list[int]] = {}  # block size -> the prompt's hashes at that size
         self._by_id = {w.worker_id: w for w in live}
+        self.media: dict[str, MatchByMedium] = {}  # worker id -> its match by tier (published)
 
     async def match(self, prompt: list[int]) -> dict[str, int]:
-        """Leading matched blocks per live worker id (in its own block size); raises
-        IndexUnavailable when the published index fails."""
+        """Leading matched blocks per live worker id (in its own block size, held in any tier;
+        `media` has their split by tier); raises IndexUnavailable when the published index
+        fails."""
         for w in self.live:
             if w.block_size not in self.chains:
                 hasher = self.model.hasher_for(w.block_size)
@@ -61,7 +68,8 @@ class PrefixLookup:
         matches: dict[str, int] = {}
         failure, down = None, False
         try:
-            matches.update(await self._match(self.index, exact))
+            self.media = await self._match_by_medium(exact)
+            matches.update({wid: m.total for wid, m in self.media.items()})
         except UNAVAILABLE as e:  # Redis down: route on load (and the rest) alone
             failure, down = e, True
         except Exception as e:  # noqa: BLE001 - not Redis down: counted by the caller
@@ -70,7 +78,9 @@ class PrefixLookup:
             matches.update(dict.fromkeys(exact, 0))
         matches.update(await self._match(self.model.approx_index, approx))
         for wid, n in (await self._match(self.recent, bridged)).items():
-            matches[wid] = max(matches.get(wid, 0), n)
+            if n > matches.get(wid, 0):  # routed here just now: being computed on the device
+                matches[wid] = n
+                self.media[wid] = MatchByMedium(n)
         if failure is not None:
             raise IndexUnavailable(matches, down) from failure
         return matches
@@ -81,6 +91,14 @@ class PrefixLookup:
             group = [wid for wid in worker_ids if self._by_id[wid].block_size == size]
             if group:
                 out.update(await source.match(hashes, group))
+        return out
+
+    async def _match_by_medium(self, worker_ids: list[str]) -> dict[str, MatchByMedium]:
+        out: dict[str, MatchByMedium] = {}
+        for size, hashes in self.chains.items():
+            group = [wid for wid in worker_ids if self._by_id[wid].block_size == size]
+            if group:
+                out.update(await self.index.match_by_medium(hashes, group))
         return out
 
     def record(self, plan: Plan, known_ids) -> None:

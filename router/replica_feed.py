@@ -10,7 +10,8 @@ each entry. Redis stays the source of truth: a worker's set is re-read with SMEM
   streams are read to their end.
 
 Re-reading at a stream position older than the set is safe: entries replayed onto a newer set
-end with the same state, since the last entry for a hash decides it.
+end with the same state, since the last entry for a hash (in one tier) decides it. A worker's
+set is one per tier (common/registry.py `block_sets`): all are re-read together.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from common.background import BackgroundErrors, cancelling
-from common.block_events import StreamEntry
+from common.block_events import MEDIA, StreamEntry
 from common.hashing import member_hash
 from common.registry import EVENT_SHARDS, RedisKeys
 from router.replica import BlockReplica
@@ -33,7 +34,8 @@ SNAPSHOT_SLICE = 20_000  # set members applied between two yields to the event l
 ENTRIES_PER_YIELD = 64  # stream entries applied between two yields to the event loop
 # What one worker's set may hold in the replica: its registered capacity (KV blocks), with
 # slack for events in flight, or this where it registered none. A Redis writer who forges
-# `stored` entries or set members under a real worker's id gets no further than that.
+# `stored` entries or set members under a real worker's id gets no further than that. A lower
+# tier (host, disk) has no registered capacity: it may hold up to MAX_BLOCKS_PER_WORKER.
 MIN_BLOCKS_PER_WORKER = 4096
 MAX_BLOCKS_PER_WORKER = 1 << 20
 _MASK = (1 << 64) - 1
@@ -151,13 +153,14 @@ class ReplicaFeed:
             self._stale.add(e.worker_id)
         cursor.epoch, cursor.seq = e.epoch, e.seq
         if e.kind == "stored":
-            if self.replica.num_blocks(e.worker_id) + len(e.block_hashes) > self._cap(e.worker_id):
+            held = self.replica.num_blocks(e.worker_id, e.medium)
+            if held + len(e.block_hashes) > self._cap(e.worker_id, e.medium):
                 self.errors.record("index_feed", f"worker {e.worker_id!r} claims more blocks "
-                                   "than it can hold: entry skipped")
+                                   f"than it can hold ({e.medium}): entry skipped")
                 return
-            self.replica.add(e.worker_id, e.block_hashes)
+            self.replica.add(e.worker_id, e.block_hashes, e.medium)
         elif e.kind == "removed":
-            self.replica.remove(e.worker_id, e.block_hashes)
+            self.replica.remove(e.worker_id, e.block_hashes, e.medium)
         elif e.kind == "cleared":
             self.replica.clear(e.worker_id)
 
@@ -179,38 +182,50 @@ class ReplicaFeed:
             return
         pipe = self.redis.pipeline(transaction=False)
         for wid in wids:
-            pipe.scard(self.keys.blocks(wid))
+            for key in self.keys.block_sets(wid):
+                pipe.scard(key)
         sizes = await pipe.execute(raise_on_error=False)
         readable = []
-        for wid, size in zip(wids, sizes, strict=True):
-            if isinstance(size, Exception) or size > self._cap(wid):
+        for n, wid in enumerate(wids):
+            problem = None
+            for medium, size in zip(MEDIA, sizes[3 * n : 3 * n + 3], strict=True):
+                if isinstance(size, Exception):
+                    problem = f"{medium}: {size}"
+                elif size > self._cap(wid, medium):
+                    problem = f"{medium}: too large"
+            if problem is not None:
                 self._stale.discard(wid)  # re-read when its next epoch or gap says so
                 self.replica.clear(wid)
-                self.errors.record("index_feed", f"block set of {wid!r} skipped: "
-                                   f"{size if isinstance(size, Exception) else 'too large'}")
+                self.errors.record("index_feed", f"block set of {wid!r} skipped: {problem}")
             else:
                 readable.append(wid)
         if not readable:
             return
         pipe = self.redis.pipeline(transaction=False)
         for wid in readable:
-            pipe.smembers(self.keys.blocks(wid))
+            for key in self.keys.block_sets(wid):
+                pipe.smembers(key)
         sets = await pipe.execute(raise_on_error=False)
-        for wid, members in zip(readable, sets, strict=True):
+        for n, wid in enumerate(readable):
             self._stale.discard(wid)
             self.replica.clear(wid)
-            if isinstance(members, Exception):
-                self.errors.record("index_feed", f"block set of {wid!r} unreadable: {members}")
+            tiers = sets[3 * n : 3 * n + 3]
+            broken = next((m for m in tiers if isinstance(m, Exception)), None)
+            if broken is not None:
+                self.errors.record("index_feed", f"block set of {wid!r} unreadable: {broken}")
                 continue
-            members = list(members)
-            # In slices, yielding between them: a fleet's sets are millions of entries, and
-            # lookups must not wait for them (a half-read set only costs misses meanwhile).
-            for i in range(0, len(members), SNAPSHOT_SLICE):
-                self.replica.add(wid, _hashes(members[i : i + SNAPSHOT_SLICE]))
-                await asyncio.sleep(0)
+            for medium, members in zip(MEDIA, tiers, strict=True):
+                members = list(members)
+                # In slices, yielding between them: a fleet's sets are millions of entries, and
+                # lookups must not wait for them (a half-read set only costs misses meanwhile).
+                for i in range(0, len(members), SNAPSHOT_SLICE):
+                    self.replica.add(wid, _hashes(members[i : i + SNAPSHOT_SLICE]), medium)
+                    await asyncio.sleep(0)
             self.num_snapshots += 1
 
-    def _cap(self, wid: str) -> int:
+    def _cap(self, wid: str, medium: str = "device") -> int:
+        if medium != "device":
+            return MAX_BLOCKS_PER_WORKER
         return self._caps.get(wid, MAX_BLOCKS_PER_WORKER)
 
     async def run(self, interval_s: float) -> None:

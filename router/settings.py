@@ -144,6 +144,14 @@ class RouterSettings(BaseSettings):
                                                 "a worker's has been measured")
     default_transfer_bytes_per_s: float = Field(2e9, description="KV transfer rate assumed until "
                                                 "decode workers' pulls have measured it")
+    # A tier hit is priced at the worker's measured reload rate (its load's
+    # `reload_tokens_per_s`); until it has measured one, at this multiple of its prefill rate.
+    host_reload_vs_prefill: float = Field(20.0, gt=0, description="reload rate from a worker's "
+                                          "host-memory KV tier assumed until it reports one, as "
+                                          "a multiple of its prefill rate")
+    disk_reload_vs_prefill: float = Field(4.0, gt=0, description="reload rate from a worker's "
+                                          "disk KV tier assumed until it reports one, as a "
+                                          "multiple of its prefill rate")
     bytes_per_block: int = Field(368_640, description="KV bytes per block of workers that do "
                                  "not publish theirs")
     transfer_weight: float = Field(1.0, description="weight of the predicted transfer time")

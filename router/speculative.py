@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from router.index import leading_count
+from router.tiered_match import MatchByMedium
 
 
 class SpeculativeIndex:
@@ -49,6 +50,12 @@ class SpeculativeIndex:
         for w in worker_ids:
             out[w] = leading_count(block_hashes, self._prune(w, now))
         return out
+
+    async def match_by_medium(self, block_hashes: list[int], worker_ids: list[str]
+                              ) -> dict[str, MatchByMedium]:
+        """`match` as tiered matches: a block just routed is being computed on the device."""
+        return {w: MatchByMedium(n) for w, n in (await self.match(block_hashes,
+                                                                  worker_ids)).items()}
 
     def forget(self, known_ids) -> None:
         """Drop the entries of workers no longer in `known_ids` (called when more workers hold

@@ -58,3 +58,10 @@ class WorkerInfo:
 
     def running(self) -> int:
         return int(self.load.get("running", 0))
+
+    def reload_tokens_per_s(self, medium: str) -> float | None:
+        """Prompt tokens per second this worker measured reloading from its `medium` tier
+        (host, disk), as its last load report said (bounded by common/registry.py
+        `ReloadRates`); None until measured."""
+        rates = self.load.get("reload_tokens_per_s")
+        return rates.get(medium) if isinstance(rates, dict) else None

@@ -14,6 +14,10 @@ The fleet sweep (1,024 workers, 100k-token agentic contexts on an assumed H200 p
         --ratios 1:3 --sessions 1500 --turns 2 --system-tokens 100000 --shared-prefixes 96 \
         --user-tokens 400 --answer-tokens 150 --sessions-per-s-per-worker 0.01 \
         --policies kv_aware,round_robin --slo-ttft 5 --slo-itl 0.1 --out sim_fleet.json
+With `--tiers off,host,host+disk,unbounded` each row runs once per KV-tier setting (capacities
+and reload rates from the profile; unbounded: a device cache without bound, the ceiling), with
+the hit ratio by tier and the prompt tokens recomputed; bench/sim_tiers.py is the agentic
+sweep (sessions scaled with the fleet: --sessions-per-worker).
 `validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
 2 prefill + 1 decode, as many sessions in flight) at the tiny-cpu profile (or one given with
 --profile-file) and compares with the real run. JSON: bench/results/sim_validate.json.
@@ -27,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from sim.fleet_cache import TIERS
 from sim.profile import calibrated, load
 from sim.simulator import Cluster, SimRequest
 from sim.workload import Driver, SimSession, from_chat, multi_turn
@@ -51,10 +56,18 @@ def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float,
     good = [r for r in done if r.first_token_at - r.arrival <= slo_ttft_s and
             (len(r.token_times) < 2
              or (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) <= slo_itl_s)]
+    num_prompt = max(sum(r.num_prompt_tokens for r in done), 1)
+    by_tier = dict.fromkeys(("device", "host", "disk"), 0)  # cached tokens, where they were
+    for r in done:
+        if r.cached_media is not None:
+            for medium in by_tier:
+                by_tier[medium] += getattr(r.cached_media, medium) * cluster.profile.block_size
     return {
         "requests": len(requests), "completed": len(done),
-        "hit_ratio": sum(r.num_cached_tokens for r in done)
-                     / max(sum(len(r.prompt) for r in done), 1),
+        "hit_ratio": sum(r.num_cached_tokens for r in done) / num_prompt,
+        "hit_ratio_by_tier": {m: n / num_prompt for m, n in by_tier.items()},
+        "prompt_tokens": sum(r.num_prompt_tokens for r in done),
+        "prompt_tokens_recomputed": sum(r.num_prompt_tokens - r.num_cached_tokens for r in done),
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "itl_s": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
         "goodput_rps": len(good) / span if span else 0.0,
@@ -63,41 +76,59 @@ def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float,
 
 
 def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: list[SimSession], *,
-             rate: float | None = None, concurrency: int | None = None, slo=(1.0, 0.1)) -> dict:
-    cluster = Cluster(profile, num_prefill, num_decode, policy)
-    driver = Driver(cluster, sessions, rate=rate, concurrency=concurrency)
+             rate: float | None = None, concurrency: int | None = None, slo=(1.0, 0.1),
+             tiers: str = "off") -> dict:
+    cluster = Cluster(profile, num_prefill, num_decode, policy, tiers=tiers)
+    # Only the prompts' lengths are summarized: let each go once done (30k-token contexts).
+    driver = Driver(cluster, sessions, rate=rate, concurrency=concurrency, keep_prompts=False)
     cluster.clock.run()
     return summarize(driver.requests, cluster, *slo)
 
 
-def cmd_sweep(args) -> int:
+def sweep(args) -> dict:
+    """Every (size, ratio, policy, tiers) row of a sweep, and what it ran on."""
     profile = load(args.profile_file) if args.profile_file else calibrated(args.profile)
-    sessions = multi_turn(args.sessions, turns=args.turns, seed=args.seed,
-                          system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                          answer_tokens=args.answer_tokens, think_s=args.think_s,
-                          shared_prefixes=args.shared_prefixes)
-    rows = []
+    rows, sessions, made_for = [], None, None
     for size in args.sizes:
+        num_sessions = (round(args.sessions_per_worker * size) if args.sessions_per_worker
+                        else args.sessions)
+        if made_for != num_sessions:
+            sessions = None  # free the last size's before drawing the next
+            sessions = multi_turn(num_sessions, turns=args.turns, seed=args.seed,
+                                  system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                                  answer_tokens=args.answer_tokens, think_s=args.think_s,
+                                  shared_prefixes=args.shared_prefixes)
+            made_for = num_sessions
         for ratio in args.ratios:
             p_share, d_share = (int(x) for x in ratio.split(":"))
             num_p = max(1, round(size * p_share / (p_share + d_share)))
             num_d = max(1, size - num_p)
             rate = args.sessions_per_s_per_worker * size
             for policy in args.policies:
-                t0 = time.perf_counter()
-                s = simulate(profile, num_p, num_d, policy, sessions, rate=rate,
-                             slo=(args.slo_ttft, args.slo_itl))
-                row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
-                       "session_rate": rate, **s, "sim_wall_s": time.perf_counter() - t0}
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("workers", "prefill", "decode", "policy",
-                                                      "hit_ratio", "ttft_s", "itl_s", "goodput_rps",
-                                                      "sim_wall_s")}),
-                      file=sys.stderr)
-    out = {"profile": profile.to_json(), "sessions": args.sessions, "turns": args.turns,
-           "system_tokens": args.system_tokens, "shared_prefixes": args.shared_prefixes,
-           "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
-    _write(args.out, out)
+                for tiers in args.tiers:
+                    t0 = time.perf_counter()
+                    s = simulate(profile, num_p, num_d, policy, sessions, rate=rate,
+                                 slo=(args.slo_ttft, args.slo_itl), tiers=tiers)
+                    row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
+                           "tiers": tiers, "sessions": num_sessions, "session_rate": rate, **s,
+                           "sim_wall_s": time.perf_counter() - t0}
+                    rows.append(row)
+                    print(json.dumps({k: row[k] for k in SHOWN}), file=sys.stderr, flush=True)
+    return {"profile": profile.to_json(), "sessions": args.sessions,
+            "sessions_per_worker": args.sessions_per_worker, "turns": args.turns,
+            "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+            "answer_tokens": args.answer_tokens, "think_s": args.think_s,
+            "sessions_per_s_per_worker": args.sessions_per_s_per_worker,
+            "shared_prefixes": args.shared_prefixes,
+            "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
+
+
+SHOWN = ("workers", "prefill", "decode", "policy", "tiers", "hit_ratio", "hit_ratio_by_tier",
+         "prompt_tokens_recomputed", "ttft_s", "itl_s", "goodput_rps", "sim_wall_s")
+
+
+def cmd_sweep(args) -> int:
+    _write(args.out, sweep(args))
     return 0
 
 
@@ -152,7 +183,15 @@ def _write(name: str, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _tiers(text: str) -> list[str]:
+    tiers = text.split(",")
+    bad = [t for t in tiers if t not in TIERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown tiers {bad}; choose from {', '.join(TIERS)}")
+    return tiers
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -175,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--shared-prefixes", type=int, default=None,
                     help="draw system prompts from this many shared ones (agentic, long-context)")
     sw.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    sw.add_argument("--tiers", type=_tiers, default=["off"],
+                    help="KV tiers below each worker's device, or a comma-separated list to "
+                         f"compare: {', '.join(TIERS)} (unbounded: a device cache without bound, "
+                         "the ceiling); capacities and reload rates from the profile")
+    sw.add_argument("--sessions-per-worker", type=float, default=None,
+                    help="scale the sessions with the cluster (instead of --sessions)")
     sw.add_argument("--out", default="sim_sweep.json", help="file name under bench/results/")
     sw.set_defaults(func=cmd_sweep)
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
@@ -184,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="a bench/policies.py JSON (default: bench/results/policies.json)")
     va.add_argument("--out", default="sim_validate.json", help="file name under bench/results/")
     va.set_defaults(func=cmd_validate)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     return args.func(args)
 
 

@@ -4,7 +4,8 @@ JSON file for other hardware (`load`), e.g. a GPU profile:
     {"prefill_tokens_per_s": 45000, "prefill_fixed_s": 0.004,
      "decode_step_base_s": 0.012, "decode_step_per_seq_s": 0.00008,
      "link_bytes_per_s": 40e9, "link_latency_s": 0.0005,
-     "block_size": 16, "block_bytes": 2097152, "num_blocks": 60000, "router_hop_s": 0.0008}
+     "block_size": 16, "block_bytes": 2097152, "num_blocks": 60000, "router_hop_s": 0.0008,
+     "host_blocks": 600000, "disk_blocks": 1800000}
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ class CostProfile:
     # vary, and without it simulated requests fall into lockstep (e.g. each session always
     # meeting the same prefill worker under round robin).
     jitter: float = 0.0
+    # KV tiers below the device (`python -m sim sweep --tiers`): each worker's host-
+    # memory and disk tier capacities in blocks (0: no such tier), their reload rates into the
+    # device in bytes/s, and what offloading a block costs the worker's step (0: the copy runs
+    # on a side stream or thread, off the step, as the engine's does).
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    host_reload_bytes_per_s: float = 50e9  # host -> GPU over PCIe Gen5, effective
+    disk_reload_bytes_per_s: float = 5e9  # a local NVMe drive
+    offload_s_per_block: float = 0.0
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)
@@ -70,6 +80,17 @@ class CostProfile:
 
     def transfer_s(self, num_blocks: int) -> float:
         return self.link_latency_s + num_blocks * self.block_bytes / self.link_bytes_per_s
+
+    def reload_tokens_per_s(self, medium: str) -> float:
+        """Prompt tokens per second reloaded from tier `medium` (host, disk) into the device:
+        what a worker with tiers reports in its load (`reload_tokens_per_s`)."""
+        rate = self.host_reload_bytes_per_s if medium == "host" else self.disk_reload_bytes_per_s
+        return rate / self.block_bytes * self.block_size
+
+    def reload_s(self, num_host_blocks: int, num_disk_blocks: int) -> float:
+        """Reloading that many blocks from the host and the disk tier into the device."""
+        return self.block_bytes * (num_host_blocks / self.host_reload_bytes_per_s
+                                   + num_disk_blocks / self.disk_reload_bytes_per_s)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -12,6 +12,11 @@ each worker's capacity: sim/fleet_cache.py), the routing step (router/gateway.py
   avoids;
 - a disaggregated request's first token reaches the client when its prefill returns; its KV
   (the blocks the decode worker lacks) crosses the link; then it joins the decode batch;
+- with KV tiers (`tiers`, sim/fleet_cache.py), a worker's device evictions go to its host tier
+  and on to its disk tier; the router's policy sees each worker's match split by tier and prices
+  it with its real code (router/reload_cost.py) at the reload rates each worker reports in its
+  load; a worker reloads what it holds in a lower tier (at the profile's rates) before it
+  prefills the rest;
 - with `host_cores` set (one small machine), every process is a `Thread` on one
   processor-sharing `Host` (n jobs on c cores each run at min(1, c / n) of full speed): each
   worker (its prefills or decode steps and its own I/O, in order: one Python process), the
@@ -23,9 +28,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common.hashing import BlockHasher
 from common.protocol import RequestTiming
@@ -36,145 +39,23 @@ from router.worker_info import WorkerInfo
 from sim.fleet_cache import FleetCache
 from sim.host import Clock, Host, Thread
 from sim.profile import CostProfile
+from sim.request import SimRequest
+from sim.worker import SimWorker
 
-
-@dataclass
-class SimRequest:
-    request_id: int
-    prompt: list[int]
-    answer: list[int]  # the tokens it will generate (drawn up front: sampling is not simulated)
-    arrival: float
-    on_done: Callable[[SimRequest], None] | None = None
-    plan: str = ""
-    num_cached_tokens: int = 0
-    first_token_at: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    done_at: float | None = None
-    hashes: list[int] = field(default_factory=list)
+__all__ = ["Cluster", "SimRequest", "SimWorker"]
 
 
 def _nothing() -> None:
     pass
 
 
-class SimWorker:
-    def __init__(self, cluster: Cluster, info: WorkerInfo) -> None:
-        self.c, self.info = cluster, info
-        self.p = cluster.profile
-        self.queue: deque = deque()  # prefill jobs: (request, on_prefilled)
-        self.prefilling = False
-        self.running: list[SimRequest] = []
-        self.joining: list[SimRequest] = []  # imported or locally prefilled, for the next step
-        self.local: list[SimRequest] = []  # local prefills folded into the next step
-        self.stepping = False
-        # its process, on a shared host
-        self.thread = Thread(cluster.host) if cluster.host else None
-
-    # -- what the heartbeat would publish --------------------------------------------------
-    def publish(self) -> None:
-        self.info.load = {"running": len(self.running) + len(self.joining),
-                          "waiting": len(self.queue) + len(self.local),
-                          "waiting_tokens": sum(len(r.prompt) for r, _ in self.queue)
-                          + sum(len(r.prompt) for r in self.local)}
-
-    def cached_blocks(self, hashes: list[int]) -> int:
-        return self.c.index.match(hashes, [self.info.worker_id], "exact")[self.info.worker_id]
-
-    # -- prefill role ------------------------------------------------------------------------
-    def submit_prefill(self, req: SimRequest,
-                       on_prefilled: Callable[[SimRequest, int], None]) -> None:
-        self.queue.append((req, on_prefilled))
-        self.publish()
-        if not self.prefilling:
-            self._next_prefill()
-
-    def _next_prefill(self) -> None:
-        if not self.queue:
-            self.prefilling = False
-            self.publish()
-            return
-        self.prefilling = True
-        req, on_prefilled = self.queue.popleft()
-        cached = self.cached_blocks(req.hashes)
-        uncached = len(req.prompt) - cached * self.p.block_size
-        self.publish()
-        self.c.compute(self.p.prefill_s(uncached), self._prefilled, req, cached, on_prefilled,
-                       thread=self.thread)
-
-    def _prefilled(self, req: SimRequest, cached: int, on_prefilled) -> None:
-        self.c.index.record(self.info.worker_id, req.hashes)
-        on_prefilled(req, cached * self.p.block_size)
-        if self.thread is not None:  # its own work once it has answered (lease, pull, release)
-            self.c.compute(self.p.prefill_io_cpu_s, _nothing, thread=self.thread)
-        self._next_prefill()
-
-    # -- decode role -------------------------------------------------------------------------
-    def join(self, req: SimRequest) -> None:
-        """An imported request (its first token already sent) joins at the next step."""
-        self.joining.append(req)
-        self._kick()
-
-    def prefill_locally(self, req: SimRequest) -> None:
-        req.num_cached_tokens = self.cached_blocks(req.hashes) * self.p.block_size
-        self.local.append(req)
-        self._kick()
-
-    def _kick(self) -> None:
-        self.publish()
-        if not self.stepping:
-            self.stepping = True
-            self.c.clock.after(0.0, self._step)
-
-    def _step(self) -> None:
-        self.running += self.joining
-        self.joining = []
-        local, self.local = self.local, []
-        if not self.running and not local:
-            self.stepping = False
-            self.publish()
-            return
-        dt = self.p.decode_step_s(len(self.running)) if self.running else 0.0
-        dt += sum(self.p.prefill_s(len(r.prompt) - r.num_cached_tokens, local=True) for r in local)
-        self.publish()
-        self.c.compute(dt, self._stepped, local, thread=self.thread)
-
-    def _stepped(self, local: list[SimRequest]) -> None:
-        now = self.c.clock.now
-        still, finished = [], []
-        for r in self.running:
-            r.token_times.append(now)
-            (finished if len(r.token_times) >= len(r.answer) else still).append(r)
-        for r in local:  # the step that prefilled it also sampled its first token
-            self.c.index.record(self.info.worker_id, r.hashes)
-            r.first_token_at = now + self.p.router_hop_s
-            r.token_times.append(now)
-            (finished if len(r.answer) <= 1 else still).append(r)
-        self.running = still
-        hop = self.p.router_hop_s
-        for r in finished:
-            # The decode side caches the whole sequence's full blocks: the next turn's prefix.
-            self.c.index.record(self.info.worker_id, self.c.hasher(r.prompt + r.answer))
-            self.info.inflight -= 1
-            self.c.clock.after(hop, self.c.deliver, 1, self._done, r)
-            # its own work for the request besides the steps, before the next
-            if self.thread is not None:
-                self.c.compute(self.p.decode_io_cpu_s, _nothing, thread=self.thread)
-        if still:
-            self.c.clock.after(hop, self.c.deliver, len(still))
-        self._step()
-
-    def _done(self, r: SimRequest) -> None:
-        r.done_at = self.c.clock.now
-        if r.on_done:
-            r.on_done(r)
-
-
 class Cluster:
-    """`num_prefill` + `num_decode` (+ `num_colocated`) simulated workers behind the real policy."""
+    """`num_prefill` + `num_decode` (+ `num_colocated`) simulated workers behind the real policy;
+    `tiers` (sim/fleet_cache.py `TIERS`) says which KV tiers below the device each one has."""
 
     def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int,
                  policy: str = "kv_aware", num_colocated: int = 0,
-                 settings: RouterSettings | None = None) -> None:
+                 settings: RouterSettings | None = None, tiers: str = "off") -> None:
         self.profile = profile
         self.clock = Clock()
         self.settings = settings or RouterSettings(block_size=profile.block_size,
@@ -182,7 +63,8 @@ class Cluster:
                                                    policy_seed=0)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
-        self.index = FleetCache(profile.num_blocks)
+        self.index = FleetCache.for_tiers(tiers, profile.num_blocks, profile.host_blocks,
+                                          profile.disk_blocks)
         self.host = Host(self.clock, profile.host_cores) if profile.host_cores else None
         self.workers: list[SimWorker] = []
         for role, n in (("prefill", num_prefill), ("decode", num_decode),
@@ -215,6 +97,14 @@ class Cluster:
         else:
             self.clock.after(0.0, fn, *args)
 
+    def continue_hashes(self, hashes: list[int], token_ids: list[int]) -> list[int]:
+        """The chain of `token_ids`' full blocks, given `hashes`, those of its leading full blocks
+        (already computed: the same numbers as hashing it all, for a fraction of the work)."""
+        if not hashes:
+            return self.hasher(token_ids)
+        rest = token_ids[len(hashes) * self.profile.block_size:]
+        return hashes + self.hasher(rest, parent_hash=hashes[-1])
+
     def submit(self, req: SimRequest) -> None:
         self.clock.at(req.arrival, self._route, req)
 
@@ -246,12 +136,18 @@ class Cluster:
                 **{w.info.worker_id: w.thread for w in self.workers}}
 
     def _routed(self, req: SimRequest) -> None:
-        req.hashes = self.hasher(req.prompt)
+        req.hashes, req.prefix_hashes = self.continue_hashes(req.prefix_hashes, req.prompt), []
         live = [w.info for w in self.workers]
-        matches = self.index.match(req.hashes, [w.worker_id for w in live])
+        ids = [w.worker_id for w in live]
+        media = None
+        if self.index.tiered:  # the policy prices each tier's hits (router/reload_cost.py)
+            media = self.index.match_by_medium(req.hashes, ids)
+            matches = {w: m.total for w, m in media.items()}
+        else:
+            matches = self.index.match(req.hashes, ids)
         plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes),
-                        self.profile.block_size)
-        req.plan = plan.kind
+                        self.profile.block_size, media)
+        req.plan, req.planned_media = plan.kind, plan.cached_media
         self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1
         d = self.by_id[plan.decode.worker_id]
         d.info.inflight += 1
@@ -281,12 +177,14 @@ class Cluster:
                 self.deliver(1, d._done, r)
                 return
             self.deliver(1)
-            missing = (len(r.hashes) - d.cached_blocks(r.hashes)
-                       + (len(r.prompt) % self.profile.block_size > 0))
+            held = d.cached(r.hashes)
+            missing = len(r.hashes) - held.total + (len(r.prompt) % self.profile.block_size > 0)
             t = self.profile.transfer_s(missing)
             learn_bandwidth(d.info, RequestTiming(transfer_bytes=missing * self.profile.block_bytes,
                                                   transfer_s=t))
-            # The decode call, then the pull (waiting on the link, not the CPU).
+            # The decode call, then the pull (waiting on the link, not the CPU) and the reload
+            # of what the decode worker holds in its lower tiers.
+            t += self.profile.reload_s(held.host, held.disk)
             self.compute(hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 
         self.compute(hop, p.submit_prefill, req, prefilled, thread=self.router_thread)

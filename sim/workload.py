@@ -23,9 +23,11 @@ def multi_turn(num_sessions: int, turns: int = 4, seed: int = 0, system_tokens: 
     shared by all sessions: agents working on the same code base or documents), then `turns`
     user messages; lengths vary by +-50% around the given means."""
     rng = random.Random(seed)
+    ids = list(range(vocab))  # one int object per id, shared: 8 bytes a token, not 36
 
     def toks(mean: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(max(1, int(mean * rng.uniform(0.5, 1.5))))]
+        return [ids[rng.randrange(vocab)]
+                for _ in range(max(1, int(mean * rng.uniform(0.5, 1.5))))]
 
     shared = [toks(system_tokens) for _ in range(shared_prefixes or 0)]
     return [SimSession(rng.choice(shared) if shared else toks(system_tokens),
@@ -53,10 +55,12 @@ class Driver:
     and answer, plus turn k's user tokens (what a chat client sends)."""
 
     def __init__(self, cluster: Cluster, sessions: list[SimSession], *, rate: float | None = None,
-                 concurrency: int | None = None, seed: int = 0) -> None:
+                 concurrency: int | None = None, seed: int = 0, keep_prompts: bool = True) -> None:
+        """`keep_prompts=False`: a request's prompt (and what holds it) is let go once it is
+        done, its length kept (`num_prompt_tokens`): long contexts would not fit in memory."""
         if (rate is None) == (concurrency is None):
             raise ValueError("give exactly one of rate (open loop) or concurrency (closed loop)")
-        self.c, self.sessions = cluster, sessions
+        self.c, self.sessions, self.keep_prompts = cluster, sessions, keep_prompts
         self.rng = random.Random(seed)
         self.requests: list[SimRequest] = []
         self._ids = iter(range(1 << 62))
@@ -77,9 +81,9 @@ class Driver:
             self._start(self._next_session - 1)
 
     def _start(self, i: int) -> None:
-        self._turn(i, 0, list(self.sessions[i].system))
+        self._turn(i, 0, list(self.sessions[i].system), [])
 
-    def _turn(self, i: int, k: int, history: list[int]) -> None:
+    def _turn(self, i: int, k: int, history: list[int], history_hashes: list[int]) -> None:
         s = self.sessions[i]
         if k == len(s.turns):
             self._start_next()  # closed loop: the next session takes this one's place
@@ -90,8 +94,13 @@ class Driver:
 
         def done(req: SimRequest) -> None:
             delay = self.rng.expovariate(1 / s.think_s) if s.think_s else 0.0
-            self.c.clock.after(delay, self._turn, i, k + 1, prompt + answer)
+            # The decode worker hashed the whole sequence: the next prompt continues it.
+            hashes, req.sequence_hashes = req.sequence_hashes or [], None
+            self.c.clock.after(delay, self._turn, i, k + 1, prompt + answer, hashes)
+            if not self.keep_prompts:
+                req.prompt, req.on_done = [], None
 
-        req = SimRequest(next(self._ids), prompt, answer, self.c.clock.now, on_done=done)
+        req = SimRequest(next(self._ids), prompt, answer, self.c.clock.now, on_done=done,
+                         prefix_hashes=history_hashes)
         self.requests.append(req)
         self.c.submit(req)

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker "
                        "(default: from the workers' --kv-memory-gb)")
         p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        p.add_argument("--host-kv-gb", type=float, default=None, help="host-memory KV tier of "
+                       "each worker in GiB (default: the workers' $TANDEM_HOST_KV_GB, else off)")
+        p.add_argument("--disk-kv-dir", default=None, help="disk KV tier: each worker keeps its "
+                       "blocks in a subfolder named after it (prefill-0, decode-0, ...), which a "
+                       "restart on the same folder serves again")
+        p.add_argument("--disk-kv-gb", type=float, default=None, help="each worker's disk KV "
+                       "tier budget in GiB (default: the workers' --disk-kv-gb)")
         # The router's common settings; every other one through its TANDEM_ROUTER_* variable.
         p.add_argument("--api-key", action="append", default=[], help="a client API key the "
                        "router accepts, repeatable (given to it by environment); none: no key")

@@ -215,6 +215,8 @@ def _cluster(args: argparse.Namespace):
                    redis_url=None if args.no_redis else args.redis_url,
                    redis_cluster=args.redis_cluster, num_blocks=args.num_blocks,
                    threads=args.threads, namespace=args.namespace,
+                   host_kv_gb=args.host_kv_gb, disk_kv_gb=args.disk_kv_gb,
+                   disk_kv_dir=Path(args.disk_kv_dir).resolve() if args.disk_kv_dir else None,
                    drain_timeout_s=args.drain_timeout_s,
                    internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
                    extra_worker_args=["--enable-fault-injection"]

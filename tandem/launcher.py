@@ -52,6 +52,11 @@ class Cluster:
     drain_timeout_s: float = 30.0
     num_blocks: int | None = None
     threads: int | None = None
+    # KV tiers of every worker (None: the workers' own settings); each worker's disk tier is the
+    # subfolder of `disk_kv_dir` named after it, so a restart on the same folder finds its blocks.
+    host_kv_gb: float | None = None
+    disk_kv_dir: Path | None = None
+    disk_kv_gb: float | None = None
     log_dir: Path = Path(".tandem-logs")
     # The cluster's internal token (workers' internal API, /kv/metadata, KV handle signatures).
     # None: a fresh random one per cluster, so the internal plane is never open by default.
@@ -132,6 +137,10 @@ class Cluster:
             common += ["--num-blocks", str(self.num_blocks)]
         if self.threads:
             common += ["--threads", str(self.threads)]
+        if self.host_kv_gb is not None:
+            common += ["--host-kv-gb", str(self.host_kv_gb)]
+        if self.disk_kv_gb is not None:
+            common += ["--disk-kv-gb", str(self.disk_kv_gb)]
         cluster_flag = ["--redis-cluster"] if self.redis_cluster else []
         if redis_url:
             common += ["--redis-url", redis_url, "--namespace", self.namespace, *cluster_flag]
@@ -139,7 +148,9 @@ class Cluster:
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(n):
                 port = _free_port()
-                self._spawn(f"{role}-{i}", [role, *common, "--port", str(port)])
+                tier = (["--disk-kv-dir", str(self.disk_kv_dir / f"{role}-{i}")]
+                        if self.disk_kv_dir is not None else [])
+                self._spawn(f"{role}-{i}", [role, *common, *tier, "--port", str(port)])
                 workers.append((f"{role}-{i}", f"http://127.0.0.1:{port}"))
                 static.append(f"{role}=http://127.0.0.1:{port}")
         for name, url in workers:

@@ -168,9 +168,9 @@ def test_redis_keys_are_the_codes():
     keys, wid = RedisKeys("prod"), "decode-10.0.0.5-8300"
     shown = [_ticked(row[0])[0] for row in _table(CONTRACT, "redis-keys")]
     shard = keys.event_shard(wid)
-    assert shown[:3] == [keys.worker(wid), keys.blocks(wid), keys.events(shard)]
+    assert shown[:5] == [keys.worker(wid), *keys.block_sets(wid), keys.events(shard)]
     assert f"shard {shard}" in CONTRACT.read_text() and EVENT_SHARDS == 16
-    assert [s.rsplit(":", 1)[0] if "<" in s else s for s in shown[3:]] == [
+    assert [s.rsplit(":", 1)[0] if "<" in s else s for s in shown[5:]] == [
         f"{keys.prefix}router", f"{keys.prefix}rl:<16 hex digits>"]
 
 
@@ -207,7 +207,8 @@ def test_stream_entry_fields_and_kinds_are_the_codes():
     section = text[text.index("**`events:{ns#shard}`**"):text.index("Streams are trimmed")]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| `")]
-    assert [_ticked(r[0])[0] for r in rows] == list(StreamEntry("w", "0" * 16, 0, "left").fields())
+    tiered = StreamEntry("w", "0" * 16, 0, "stored", (), "host")  # every field: `m` too
+    assert [_ticked(r[0])[0] for r in rows] == list(tiered.fields())
     kinds = next(r for r in rows if r[0] == "`k`")
     assert set(_ticked(kinds[1])) == set(ENTRY_KINDS)
 

@@ -137,7 +137,7 @@ class Bridge:
                 "started_at": metrics.start_time or time.time()}
         info = {k: v for k, v in info.items() if v is not None}
 
-        async def snapshot() -> list[int]:
+        async def snapshot() -> dict[str, list[int]]:
             return await mirror.snapshot()
 
         publisher = WorkerPublisher(st.redis_url, RedisKeys(st.namespace), st.resolved_worker_id,

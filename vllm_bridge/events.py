@@ -10,6 +10,11 @@ releases leave the rank out), and each event is
   lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]` (the oldest releases end at
   `lora_id`), `["BlockRemoved", block_hashes, medium, group_idx]`, `["AllBlocksCleared"]`.
 
+vLLM's KV offloading reports the blocks it copies to CPU memory or disk as BlockStored with that
+`medium` ("CPU", "Disk"), no token ids, no parent and `block_size` the offloaded block's, or 0
+(newer releases): such an event (no token ids, a medium other than the GPU) is taken as it is,
+and block size 0 only there.
+
 Both decode to the frozen dataclasses below. The payload comes from a peer process: every size is
 bounded and anything malformed raises ValueError with the reason. An event of an unknown type is
 skipped and counted (`EventBatch.num_unknown`); unknown map keys and extra trailing array fields
@@ -46,7 +51,9 @@ KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """A run of full blocks cached, chained after `parent_block_hash` (None: from token 0).
-    `token_ids` covers the whole run; `extra_keys` has one entry per block (None: plain tokens)."""
+    `token_ids` covers the whole run; `extra_keys` has one entry per block (None: plain tokens).
+    On a medium other than the GPU (KV offloading), `token_ids` may be empty and `block_size`
+    0."""
 
     block_hashes: tuple[VLLMHash, ...]
     parent_block_hash: VLLMHash | None
@@ -92,7 +99,7 @@ _Hash = (Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 _Hashes = Annotated[tuple[_Hash, ...], Meta(max_length=MAX_HASHES_PER_EVENT)]
 _TokenIds = Annotated[tuple[Annotated[int, Meta(ge=0, lt=1 << 32)], ...],
                       Meta(max_length=MAX_TOKENS_PER_EVENT)]
-_BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+_BlockSize = Annotated[int, Meta(ge=0, le=MAX_BLOCK_SIZE)]  # 0: offloaded (checked in _stored)
 _Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 _ExtraKeys = Annotated[tuple[Any, ...], Meta(max_length=MAX_HASHES_PER_EVENT)]
 _Index = Annotated[int, Meta(ge=0, lt=1 << 16)]  # group index, data-parallel rank
@@ -248,6 +255,14 @@ def _tag(raw: Raw, shape: str, index: int) -> str:
 
 def _stored(wire: _Stored, index: int) -> BlockStored:
     num_blocks, num_tokens = len(wire.block_hashes), len(wire.token_ids)
+    if num_tokens == 0 and wire.medium not in (None, "GPU"):
+        # An offloading connector's report: hashes of blocks copied to another medium, no
+        # tokens, the offloaded block size or 0.
+        return BlockStored(wire.block_hashes, wire.parent_block_hash, (), wire.block_size,
+                           None, wire.group_idx or 0, wire.medium, wire.lora_name,
+                           wire.lora_id, wire.kv_cache_spec_kind)
+    if wire.block_size == 0:
+        raise ValueError(f"event {index}: block size 0")
     # Blocks vLLM masked or nulled (sliding window) are left out of the hashes but not of the
     # tokens, so the tokens may cover more blocks than the hashes name, never fewer.
     if num_tokens % wire.block_size or num_tokens < num_blocks * wire.block_size:

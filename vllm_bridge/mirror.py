@@ -51,9 +51,10 @@ class EventMirror:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="vllm-events")
 
-    async def snapshot(self) -> list[int]:
-        """The own hashes held (the publisher's full rewrite), read between two events."""
-        return await asyncio.to_thread(self.chain.hashes)
+    async def snapshot(self) -> dict[str, list[int]]:
+        """The own hashes held per tier (the publisher's full rewrite), read between two
+        events."""
+        return await asyncio.to_thread(self.chain.hashes_by_medium)
 
     async def stop(self) -> None:
         """Stop mirroring; the chain is emptied once the batch in hand (if any) is done."""

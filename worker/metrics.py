@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from worker.tier_metrics import TierMetrics
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # vLLM's own buckets for these two (vllm/v1/metrics/loggers.py).
 _VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -68,6 +70,7 @@ class WorkerMetrics:
                                    "short, or another client's turn: engine/fair_share.py)",
                                    registry=r)
         self._num_preemptions = 0
+        self.kv_tiers = TierMetrics(r)
         self._vllm(r, model)
 
     def _vllm(self, r: CollectorRegistry, model: str) -> None:
@@ -127,6 +130,7 @@ class WorkerMetrics:
         if num > self._num_preemptions:  # the engine's running total, as a counter
             self.preemptions.inc(num - self._num_preemptions)
             self._num_preemptions = num
+        self.kv_tiers.sample(stats.get("kv_tiers"))
         self.vllm_running.set(stats["running"])
         self.vllm_waiting.set(stats["waiting"])
         self.vllm_kv_usage.set(usage)

@@ -118,6 +118,14 @@ class WorkerSettings(BaseSettings):
                                                        "shared: `fair` between the clients the "
                                                        "router names (engine/fair_share.py), "
                                                        "`fcfs` first come, first served")
+    host_kv_gb: float = Field(0.0, ge=0, description="host-memory KV tier in GiB: blocks evicted "
+                              "from the device cache are kept there and reloaded on a later "
+                              "prefix hit (engine/kv_tiers.py); 0: off")
+    disk_kv_dir: Path | None = Field(None, description="folder of the disk KV tier: blocks leaving "
+                                     "the host tier are written there, and a restart on the same "
+                                     "folder serves them again; one folder per worker")
+    disk_kv_gb: float = Field(10.0, gt=0, description="the disk KV tier's budget in GiB (with "
+                              "--disk-kv-dir)")
     max_queue: int = Field(256, description="prefills waiting beyond this get 503 + Retry-After")
     max_body_bytes: int = Field(64 << 20, description="largest request body (internal requests "
                                 "carry token ids: 1M tokens is ~8 MB)")
@@ -137,6 +145,9 @@ class WorkerSettings(BaseSettings):
             num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
             enforce_eager=self.enforce_eager, max_unread_tokens=self.max_unread_tokens or None,
             parked_timeout_s=self.parked_timeout_s, scheduling_policy=self.scheduling_policy,
+            host_kv_bytes=int(self.host_kv_gb * (1 << 30)),
+            disk_kv_dir=str(self.disk_kv_dir) if self.disk_kv_dir is not None else None,
+            disk_kv_bytes=int(self.disk_kv_gb * (1 << 30)),
         )
 
     @property

@@ -168,8 +168,8 @@ class WorkerState:
         if self.publisher is not None:
             self.publisher.on_events(events)
 
-    async def _snapshot(self) -> list[int]:
-        return await self.engine.call("cached_hashes")
+    async def _snapshot(self) -> dict[str, list[int]]:
+        return await self.engine.call("cached_hashes_by_medium")
 
     @property
     def served_names(self) -> list[str]:
@@ -198,4 +198,8 @@ class WorkerState:
         }
 
     def load(self) -> dict:
-        return {**self.engine.stats(), "prefill_inflight": self.num_prefill_inflight}
+        """What the registration's `load` carries: the engine's figures but its tier counters
+        (those are metrics); with tiers, `reload_tokens_per_s` by tier (None: not measured)."""
+        stats = self.engine.stats()
+        stats.pop("kv_tiers", None)
+        return {**stats, "prefill_inflight": self.num_prefill_inflight}

@@ -529,3 +529,28 @@ def test_kv_events_over_tcp_reach_only_the_named_peers_and_a_bridge_may_run_else
                         "--set", "vllm.kvEvents.bridge.enabled=false"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "vllm.kvEvents.transport=ipc needs" in r.stderr, r.stderr
+
+
+def test_kv_tiers_pass_their_flags_and_give_the_disk_tier_a_volume_of_its_own():
+    docs = render("--set", "prefill.kvTiers.hostGb=4", "--set", "prefill.kvTiers.disk.enabled=true",
+                  "--set", "prefill.kvTiers.disk.gb=20", "--set",
+                  "prefill.kvTiers.disk.sizeLimit=21Gi", "--set", "decode.kvTiers.hostGb=2",
+                  "--set", "decode.kvTiers.disk.enabled=true",
+                  "--set", "decode.kvTiers.disk.storageClassName=fast-ssd")
+    validate(docs)
+    deployments = by_kind(docs, "Deployment")
+    prefill = deployments["rel-tandem-prefill"]["spec"]["template"]["spec"]
+    args = prefill["containers"][0]["args"]
+    assert {"--host-kv-gb=4", "--disk-kv-dir=/var/cache/tandem-kv", "--disk-kv-gb=20"} <= set(args)
+    assert {"name": "kv-disk", "mountPath": "/var/cache/tandem-kv"} in (
+        prefill["containers"][0]["volumeMounts"])
+    (vol,) = [v for v in prefill["volumes"] if v["name"] == "kv-disk"]
+    assert vol["emptyDir"] == {"sizeLimit": "21Gi"}
+    decode = deployments["rel-tandem-decode"]["spec"]["template"]["spec"]
+    (vol,) = [v for v in decode["volumes"] if v["name"] == "kv-disk"]
+    claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == "fast-ssd"
+    # Off by default: no flags, no volume.
+    plain = by_kind(render(), "Deployment")["rel-tandem-prefill"]["spec"]["template"]["spec"]
+    assert not any(a.startswith(("--host-kv", "--disk-kv")) for a in plain["containers"][0]["args"])
+    assert all(v["name"] != "kv-disk" for v in plain["volumes"])

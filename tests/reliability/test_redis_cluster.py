@@ -51,9 +51,20 @@ def test_both_indexes_answer_across_slots(redis_cluster):
             replica.track(dict.fromkeys(workers, ""))
             await replica.feed.poll()
             assert await replica.match(chain, [*workers, "ghost"]) == want
+            # KV tiers: each worker's host and disk sets continue its device run, in its slot.
+            for i, w in enumerate(workers):
+                await r.sadd(keys.blocks(w, "host"), *[hash_member(h) for h in chain[i + 1:i + 3]])
+                await r.sadd(keys.blocks(w, "disk"), *[hash_member(h) for h in chain[i + 3:i + 4]])
+            tiered = {w: (i + 1, len(chain[i + 1:i + 3]), len(chain[i + 3:i + 4]))
+                      for i, w in enumerate(workers)} | {"ghost": (0, 0, 0)}
+            got = await lua.match_by_medium(chain, [*workers, "ghost"])
+            assert {w: (m.device, m.host, m.disk) for w, m in got.items()} == tiered
+            replica.feed.resync_all()
+            await replica.feed.poll()
+            assert await replica.match_by_medium(chain, [*workers, "ghost"]) == got
         finally:
             for w in workers:
-                await r.delete(keys.blocks(w))
+                await r.delete(*keys.block_sets(w))
             await r.aclose()
 
     asyncio.run(go())

@@ -41,6 +41,39 @@ def test_stream_entry_wire_format_is_pinned():
     assert StreamEntry.parse({k.encode(): v for k, v in fields.items()}) == e
 
 
+def test_stream_entry_medium_is_pinned():
+    """A device entry is written without `m` (byte-identical to a worker's before tiers), the
+    lower tiers with it; an entry without `m` (an older worker) or with `m` = device is a
+    device entry."""
+    base = {b"w": b"decode-a", b"e": b"0123456789abcdef", b"s": b"3", b"k": b"stored",
+            b"h": b"\x2a" + b"\x00" * 7}
+    assert StreamEntry.parse(base) == StreamEntry("decode-a", "0123456789abcdef", 3, "stored",
+                                                  (42,), "device")
+    assert StreamEntry.parse({**base, b"m": b"device"}).medium == "device"
+    for medium in ("host", "disk"):
+        e = StreamEntry("decode-a", "0123456789abcdef", 3, "stored", (42,), medium)
+        assert e.fields() == {"w": b"decode-a", "e": b"0123456789abcdef", "s": b"3",
+                              "k": b"stored", "h": b"\x2a" + b"\x00" * 7,
+                              "m": medium.encode()}
+        assert StreamEntry.parse({**base, b"m": medium.encode()}) == e
+    device = StreamEntry("decode-a", "0123456789abcdef", 3, "removed", (42,))
+    assert "m" not in device.fields()
+    assert BlockEvent("stored", (1,)).medium == "device"
+    for bad in (b"", b"Host", b"gpu", b"cpu", b"device ", b"x" * 5000):
+        with pytest.raises(ValueError, match="bad medium"):
+            StreamEntry.parse({**base, b"m": bad})
+
+
+def test_tier_keys_are_pinned():
+    keys = RedisKeys("prod")
+    assert keys.block_sets("decode-10.0.0.5-8300") == [
+        "tandem:prod:blocks:{prod#11}:decode-10.0.0.5-8300",
+        "tandem:prod:blocks-host:{prod#11}:decode-10.0.0.5-8300",
+        "tandem:prod:blocks-disk:{prod#11}:decode-10.0.0.5-8300"]
+    with pytest.raises(ValueError, match="unknown medium"):
+        keys.blocks("decode-10.0.0.5-8300", "tape")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [
     {b"w": b"x{y}", b"e": b"0123456789abcdef", b"s": b"1", b"k": b"stored"},
     {b"w": b"x", b"e": b"nothex", b"s": b"1", b"k": b"stored"},

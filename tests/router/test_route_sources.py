@@ -14,6 +14,7 @@ from router.gateway import Gateway
 from router.models import ServedModel
 from router.settings import RouterSettings
 from router.speculative import SpeculativeIndex
+from router.tiered_match import MatchByMedium
 from router.worker_info import WorkerInfo
 
 MODEL = "tiny-random"
@@ -38,6 +39,10 @@ class PublishedIndex:
                 n += 1
             out[w] = n
         return out
+
+    async def match_by_medium(self, block_hashes, worker_ids):
+        return {w: MatchByMedium(n) for w, n in (await self.match(block_hashes,
+                                                                  worker_ids)).items()}
 
     def record(self, worker_id, block_hashes):
         self.recorded.append(worker_id)

@@ -136,12 +136,13 @@ def test_another_block_size_is_skipped():
     assert chain.counts["block_size"] == 2 + 1 + 1 + 1 + 4 + 62 and chain.hashes() == []
 
 
-@pytest.mark.parametrize("change", [{"group_idx": 1}, {"medium": "CPU"},
-                                    {"kv_cache_spec_kind": "sliding_window"}])
-def test_other_groups_media_and_specs_are_skipped(change):
+@pytest.mark.parametrize(("change", "why"), [
+    ({"group_idx": 1}, "other_group"), ({"medium": "NVMe-oF"}, "other_medium"),
+    ({"kv_cache_spec_kind": "sliding_window"}, "other_group")])
+def test_other_groups_media_and_specs_are_skipped(change, why):
     chain = BlockChain(BlockHasher("m", 4))
     assert chain.apply(one(run({"block_hashes": (1, 2), **change}))) == []
-    assert chain.counts["other_group"] == 2
+    assert chain.counts[why] == 2
     # unstated medium and spec (older releases) are group 0 on the GPU
     got = chain.apply(one(run({"block_hashes": (1, 2), "medium": None})))
     assert got[0].kind == "stored" and len(chain) == 2
@@ -151,8 +152,9 @@ def test_a_removal_in_another_group_leaves_group_0_alone():
     """Hybrid models emit one event per KV cache group with the hashes shared across groups."""
     chain = BlockChain(BlockHasher("m", 4))
     chain.apply(one(run({"block_hashes": (1,)})))
-    assert chain.apply(one(BlockRemoved((1,), "GPU", 1), BlockRemoved((1,), "CPU", 0))) == []
-    assert len(chain) == 1 and chain.counts["other_group"] == 2
+    assert chain.apply(one(BlockRemoved((1,), "GPU", 1), BlockRemoved((1,), "CPU", 0),
+                           BlockRemoved((1,), "S3", 0))) == []  # not on the host: nothing
+    assert len(chain) == 1 and chain.counts["other_group"] == chain.counts["other_medium"] == 1
 
 
 def test_masked_blocks_are_skipped():
