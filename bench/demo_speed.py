@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
+from testing.processes import wait_http_ok  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 128
@@ -57,14 +58,8 @@ def run(threads: int, port: int) -> dict:
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_http_ok(proc, Path(log.name), lambda: httpx.get(f"{url}/ready", timeout=2),
+                     "tandem up", timeout=300, interval=0.5)
         one(url, -1)  # warm-up
         single = [one(url, i) for i in range(3)]
         t0 = time.perf_counter()

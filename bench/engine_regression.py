@@ -27,7 +27,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
+from testing.processes import wait_http_ok  # noqa: E402
 
 BASELINE = ROOT / "bench" / "results" / "engine_regression.json"
 NEW_TOKENS = 256
@@ -107,14 +107,8 @@ def worker_cpu(checkout: Path, port: int) -> dict[str, float]:
                             env={**os.environ, "TANDEM_INTERNAL_TOKEN": ""})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_http_ok(proc, Path(log.name), lambda: httpx.get(f"{url}/ready", timeout=2),
+                     "colocated worker", timeout=300, interval=0.3)
         rounds = 3
 
         def load(n_rounds: int) -> None:
@@ -134,6 +128,7 @@ def worker_cpu(checkout: Path, port: int) -> dict[str, float]:
     finally:
         proc.terminate()
         proc.wait(60)
+        log.close()
 
 
 def measure(checkout: Path, port: int) -> dict[str, float]:
