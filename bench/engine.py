@@ -9,6 +9,11 @@ GPU busy fraction, fidelity of the Triton path; about a minute per shape on an H
     python bench/engine.py --device cuda --shapes smollm2-1.7b,llama3-8b --out engine_gpu.json
     .venv/bin/python bench/engine.py --device cpu --quick   # the same script, tiny, on CPU
 
+Decode rates by sampling mode (bench/gpu_decode.py: greedy, seeded, unseeded, mixed batches,
+and a mixed batch with arrivals; one shape):
+
+    python bench/engine.py --device cuda --sampling greedy,seeded,unseeded,mixed --out decode.json
+
 Decode tokens/s is measured as the difference of two runs that differ only in `max_tokens`
 (prefill cancels out); prefill tokens/s from 512-token prompts with `max_tokens=1`. Every run uses
 fresh random prompts so no prefix cache helps. Prints JSON and writes `bench/results/engine.json`.
@@ -194,9 +199,14 @@ def main() -> int:
                     "(on CPU: Triton interpreted, graphs' functions called directly)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="GPU benchmark: dump the "
                     "stacks and exit past this (it never hangs a GPU check)")
+    ap.add_argument("--sampling", default=None, help="GPU benchmark: only the decode rates of "
+                    "these sampling modes, comma-separated (bench/gpu_decode.py: greedy, seeded, "
+                    "unseeded, mixed, top_p), and a mixed batch with arrivals")
     args = ap.parse_args()
     if args.device != "cpu" or args.quick:
         return gpu_main(args)
+    if args.sampling:
+        ap.error("--sampling is the GPU benchmark's: with --device cuda, or --quick on CPU")
     args.out = args.out or str(ROOT / "bench" / "results" / "engine.json")
     torch.set_num_threads(args.threads)
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
@@ -249,9 +259,17 @@ def gpu_main(args) -> int:
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)
     default = ("smollm2-1.7b,llama3-8b" if args.device.startswith("cuda") and not args.quick
                else "tiny")
-    shapes = (args.shapes or default).split(",")
-    out = Path(args.out or ROOT / "bench" / "results" / "engine_gpu.json")
-    result = run(shapes, args.device, args.quick, out)
+    if args.sampling:
+        from bench.gpu_decode import run as run_sampling
+
+        default = default.split(",")[0]  # one shape: the modes multiply the runs
+        shapes = (args.shapes or default).split(",")
+        out = Path(args.out or ROOT / "bench" / "results" / "gpu_decode.json")
+        result = run_sampling(shapes, args.device, args.quick, args.sampling.split(","), out)
+    else:
+        shapes = (args.shapes or default).split(",")
+        out = Path(args.out or ROOT / "bench" / "results" / "engine_gpu.json")
+        result = run(shapes, args.device, args.quick, out)
     print(json.dumps(result, indent=2))
     faulthandler.cancel_dump_traceback_later()
     return 0

@@ -124,19 +124,21 @@ def generate_wall(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
 
 
 def steady_steps(llm, prompts: Prompts, sizes: Sizes, device: str, batch: int,
-                 rep: int) -> tuple[float, int, float | None]:
+                 rep: int, params: list | None = None) -> tuple[float, int, float | None]:
     """(wall seconds of `decode_steps` all-decode engine steps at `batch`, how many of them were
     queued before the previous one was read, the bucket's graph replay in ms or None without
     graphs). Raises if a step did not add one token to every row. Overlapped, each call reads
-    a step and leaves the next in flight: one in flight at the start and at the end (synced)."""
+    a step and leaves the next in flight: one in flight at the start and at the end (synced).
+    `params`: each row's SamplingParams (bench/gpu_decode.py), greedy when None."""
     from engine import SamplingParams
 
     engine = llm.engine
     steps = sizes.decode_steps
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = params or [greedy] * batch
     ids = [f"steady-{batch}-{rep}-{i}" for i in range(batch)]
-    for rid, p in zip(ids, prompts.make(batch, sizes.prompt_len), strict=True):
-        engine.add_request(rid, p, params)
+    for rid, p, sp in zip(ids, prompts.make(batch, sizes.prompt_len), params, strict=True):
+        engine.add_request(rid, p, sp)
     try:
         seqs = [engine.requests[rid] for rid in ids]
         while any(not s.output_token_ids for s in seqs):

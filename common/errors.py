@@ -18,6 +18,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 # is to fail rather than recompute (--kv-pull-failure-policy fail): the router retries no other
 # decode worker on it.
 KV_TRANSFER_FAILED = "kv_transfer_failed"
+# The code of a decode worker's 503 (with Retry-After) when it has no free KV blocks to import a
+# prompt's blocks into: the router tries another decode worker, or this one again after the
+# Retry-After (router/dispatch.py), before it gives the client the same answer.
+OUT_OF_KV_BLOCKS = "out_of_kv_blocks"
 
 
 class APIError(Exception):

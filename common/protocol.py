@@ -144,6 +144,8 @@ class PrefillRequest(BaseModel, _FromTenant):
     lease_seconds: LeaseSeconds | None = None  # each worker caps it at its --max-lease-seconds
     client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
     cache_salt: CacheSalt | None = None  # its blocks match only requests with the same salt
+    # A peer's signed prefix handle: pull those leading blocks first (worker/peer_pull.py).
+    prefix_kv_params: KVTransferParams | None = None
 
 
 # Cached prompt tokens by the tier their blocks were in at admission (common/block_events.py
@@ -163,6 +165,8 @@ class PrefillResponse(BaseModel):
     first_token_logprob: TokenLogprob | None = None
     # Set when the request ended at its first token (EOS, stop, max_tokens=1): no decode leg.
     finish_reason: FinishReason | None = None
+    # Prompt tokens pulled from a peer (prefix_kv_params), not counted in num_cached_tokens.
+    num_pulled_tokens: int = Field(0, ge=0, le=MAX_PROMPT_TOKENS)
 
 
 class GenerateRequest(BaseModel, _FromTenant):
@@ -181,6 +185,8 @@ class GenerateRequest(BaseModel, _FromTenant):
     kv_transfer_params: KVTransferParams | None = None
     client_tag: ClientTag | None = None  # who sent it: the batch is shared fairly between clients
     cache_salt: CacheSalt | None = None  # its blocks match only requests with the same salt
+    # A peer's signed prefix handle: pull those leading blocks first (worker/peer_pull.py).
+    prefix_kv_params: KVTransferParams | None = None
 
 
 class RequestTiming(BaseModel):
@@ -189,8 +195,10 @@ class RequestTiming(BaseModel):
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    transfer_bytes: int = 0  # KV bytes pulled from the prefill worker
+    transfer_bytes: int = 0  # KV bytes pulled from the prefill worker (or a peer's prefix)
     decode_s: float = 0.0
+    # Prompt tokens pulled from a peer's cache (not in the event's num_cached_tokens).
+    num_pulled_tokens: int = Field(0, ge=0, le=MAX_PROMPT_TOKENS)
 
 
 class StreamEvent(BaseModel):

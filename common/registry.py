@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from common.auth import secrets_equal, sign_json
 from common.block_events import MEDIA, Medium
@@ -117,7 +124,11 @@ class WorkerLoad(BaseModel):
     running: int = _COUNT
     waiting: int = _COUNT
     parked: int = _COUNT  # requests whose reader fell behind (engine/output_stream.py)
-    free_blocks: int = _COUNT
+    free_blocks: int = _COUNT  # blocks it can hand out now: empty, or holding a cached block
+    # Of those, the ones still holding a cached block (handing one out evicts a prefix-cache
+    # entry); None: not reported (a worker before this field), read as none. Above
+    # `free_blocks`, taken as `free_blocks`.
+    evictable_blocks: int | None = Field(None, ge=0, le=1 << 40)
     num_blocks: int = _COUNT
     held: int = _COUNT
     importing: int = _COUNT
@@ -129,6 +140,12 @@ class WorkerLoad(BaseModel):
     @classmethod
     def _rates(cls, value: Any) -> Any:
         return value if isinstance(value, dict) else {}  # anything else: unmeasured
+
+    @model_validator(mode="after")
+    def _evictable_within_free(self) -> WorkerLoad:
+        if self.evictable_blocks is not None and self.evictable_blocks > self.free_blocks:
+            self.evictable_blocks = self.free_blocks
+        return self
 
 
 class ProbedModel(BaseModel):

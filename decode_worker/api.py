@@ -40,6 +40,8 @@ def generate_router(state: WorkerState) -> APIRouter:
                 async for out, timing in prepend([first] if first else [], items):
                     ev = _event(req.request_id, out, params.logprobs is not None)
                     ev.timing = timing
+                    if timing is not None and timing.num_pulled_tokens:
+                        _uncount_pulled(ev, timing.num_pulled_tokens)
                     yield _frame(ev, sse, final=ev.finish_reason is not None)
                 state.metrics.requests.labels("generate", "200").inc()
             except EngineDeadError as e:
@@ -66,6 +68,17 @@ def _event(rid: str, out: RequestOutput, with_logprobs: bool) -> StreamEvent:
                        num_cached_tokens=out.num_cached_tokens if out.finished else None,
                        num_cached_tokens_by_medium=(out.num_cached_tokens_by_medium
                                                     if out.finished else None))
+
+
+def _uncount_pulled(ev: StreamEvent, num_pulled: int) -> None:
+    """`num_cached_tokens` says what was here already: the tokens pulled from a peer (into the
+    device tier) are the timing's `num_pulled_tokens` instead."""
+    if ev.num_cached_tokens is not None:
+        ev.num_cached_tokens = max(ev.num_cached_tokens - num_pulled, 0)
+    if ev.num_cached_tokens_by_medium:
+        by = dict(ev.num_cached_tokens_by_medium)
+        by["device"] = max(by.get("device", 0) - num_pulled, 0)
+        ev.num_cached_tokens_by_medium = by
 
 
 def _frame(ev: StreamEvent, sse: bool, final: bool = False) -> bytes:

@@ -39,12 +39,14 @@ class BlockPool:
     _free: OrderedDict[int, None] = field(init=False)  # LRU order: first = evicted first
     _cached: dict[int, int] = field(init=False)  # block hash -> block id
     _events: list[BlockEvent] = field(init=False)
+    _num_evictable: int = field(init=False)  # free blocks that still hold a cached block
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self._free = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached = {}
         self._events = []
+        self._num_evictable = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,6 +56,13 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Free blocks that still hold a cached block: handing one out evicts a prefix-cache
+        entry (the rest of the free blocks hold nothing). Kept as a count: `stats` reads it at
+        every step."""
+        return self._num_evictable
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks off the LRU end of the free list, evicting their cached contents."""
@@ -65,6 +74,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_evictable -= 1
                 if self.offloader is not None:
                     self.offloader.evicting(block_id)
                 if self._cached.get(block.block_hash) == block_id:
@@ -95,6 +105,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                self._num_evictable -= block.block_hash is not None
             block.ref_cnt += 1
 
     def num_unreferenced(self, block_ids: list[int]) -> int:
@@ -111,6 +122,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                self._num_evictable += block.block_hash is not None
                 if block.block_hash is not None and self.offloader is not None:
                     self.offloader.offload(block_id, block.block_hash)
 
@@ -124,6 +136,7 @@ class BlockPool:
         if block_hash in self._cached:
             return  # another block already holds these tokens; this copy stays anonymous
         block.block_hash = block_hash
+        self._num_evictable += block.ref_cnt == 0
         self._cached[block_hash] = block_id
         self._events.append(BlockEvent("stored", (block_hash,)))
 
@@ -136,6 +149,7 @@ class BlockPool:
                 self.offloader.evicting(block.block_id)
             block.block_hash = None
         self._cached.clear()
+        self._num_evictable = 0
         self._events.append(BlockEvent("cleared"))
         return True
 

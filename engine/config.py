@@ -169,6 +169,10 @@ class EngineConfig:
     host_kv_bytes: int = 0
     disk_kv_dir: str | None = None
     disk_kv_bytes: int = 10 << 30
+    # A reload predicted (at the tier's measured rate) to take at most this long runs at
+    # admission, on the engine's thread; a longer one (or one not measured yet) runs off the
+    # step while the sequence waits in the scheduler's loading state (engine/kv_cache_manager.py).
+    inline_load_s: float = 0.002
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

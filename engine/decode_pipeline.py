@@ -11,10 +11,12 @@ stream runs after the step that still writes them). A length stop is known ahead
 sequence is left out of N+1.
 
 Only steady decode overlaps: every running sequence decodes, nothing waits, and no row needs
-its previous token on the host when it is sampled (penalties, structured outputs, min_tokens)
-or draws from the engine's shared generator (whose draws depend on the batch: a dropped row
-would shift them). Anything else ends the overlap: the step in flight is finished and returned,
-and the next `step()` runs the synchronous loop, which may start an overlap again.
+its previous token on the host when it is sampled (penalties, structured outputs, min_tokens).
+Greedy, seeded and unseeded sampled rows all overlap: each request draws from its own stream,
+indexed by its output position (engine/sampler.py), so a dropped row shifts no other row's draw
+and the tokens equal the synchronous loop's. Anything else ends the overlap: the step in flight
+is finished and returned, and the next `step()` runs the synchronous loop, which may start an
+overlap again.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ class DecodePipeline:
             logits, _ = self.runner.execute([ScheduledSeq(s, 1, True) for s in alive], ids)
             for s in alive:
                 s.num_computed_tokens += 1
-            self.in_flight = InFlightStep(alive, self.sampler.launch(logits, alive))
+            # Each row's token of the step before is not in its output yet: one pending.
+            self.in_flight = InFlightStep(alive, self.sampler.launch(logits, alive, 1))
             self.num_overlapped_steps += 1
         else:
             self.num_drains += bool(continuing)
@@ -109,7 +112,7 @@ class DecodePipeline:
         """The sequences of the next overlapped step; [] when it must not overlap (the
         synchronous loop schedules it once the step in flight is read)."""
         s = self.scheduler
-        if (not self.enabled or s.waiting or len(s.running) != len(continuing)
+        if (not self.enabled or s.waiting or s.loading or len(s.running) != len(continuing)
                 or any(a is not b for a, b in zip(s.running, continuing, strict=True))
                 or len(continuing) > s.max_num_batched_tokens):
             return []
@@ -144,6 +147,5 @@ class DecodePipeline:
     @staticmethod
     def _overlappable(seq: Sequence) -> bool:
         p = seq.params
-        return ((p.greedy or seq.generator is not None) and not p.needs_penalties
-                and p.structured is None and seq.matcher is None and not seq.hold_blocks
-                and len(seq.output_token_ids) >= p.min_tokens)
+        return (not p.needs_penalties and p.structured is None and seq.matcher is None
+                and not seq.hold_blocks and len(seq.output_token_ids) >= p.min_tokens)

@@ -33,6 +33,7 @@ _TIER_POLL_S = 0.05
 REMOTE_METHODS = frozenset({
     "add_request", "import_request", "finish_import", "abort_request", "park_request", "release",
     "block_table", "cached_hashes", "cached_hashes_by_medium", "stats",
+    "pin_prefix", "reserve_prefix", "commit_prefix",  # a peer prefix pull (engine/prefix_pins.py)
 })
 
 

@@ -1,8 +1,9 @@
 """The engine core: requests in, one batched model step's outputs per `step()`. It owns the
 requests and their outputs (tokens appended, stops checked, finishing); its parts do the rest:
-the scheduler over the KV cache manager and block pool, the model runner, the sampler, request
-intake (engine/sequence_builder.py), KV imports (engine/kv_imports.py) and, in steady decode on
-CUDA, the overlapped loop that has the next step queued already (engine/decode_pipeline.py).
+the scheduler over the KV store (engine/kv_store.py: the cache, block pool, tiers and the KV
+cache manager), the model runner, the sampler, request intake (engine/sequence_builder.py),
+KV imports (engine/kv_imports.py) and, in steady decode on CUDA, the overlapped loop that has
+the next step queued already (engine/decode_pipeline.py).
 For the P/D workers:
 - `add_request(..., hold_blocks=True)`: prefill to the first token and keep the prompt's blocks
   (for export) until `release(request_id)`;
@@ -16,17 +17,12 @@ import time
 
 import torch
 
-from common.block_events import BlockEvent
-from common.hashing import BlockHasher
 from common.model_identity import model_digest
 from common.protocol import Tenant
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_pipeline import DecodePipeline
-from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
-from engine.kv_cache_manager import KVCacheManager
 from engine.kv_imports import KVImports
-from engine.kv_tiers import build_kv_tiers
+from engine.kv_store import KVStore
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.output import RequestOutput, output_of
@@ -39,8 +35,6 @@ from engine.stop import stop_reason
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
-
-_DEFAULT_KV_BYTES = 1 << 30
 
 
 class DuplicateRequestId(ValueError):
@@ -69,28 +63,25 @@ class LLMEngine:
         self.model = load_model(self.folder, mc, self.max_model_len, self.device, self.dtype,
                                 config.pack_weights, config.load_format, config.seed)
 
-        self.block_size = config.block_size
-        self.num_blocks = config.num_blocks or num_blocks_for_memory(
-            config.kv_memory_bytes or _DEFAULT_KV_BYTES, mc, self.block_size, self.dtype)
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one registrable
-        # region in which each block (all layers, K and V) is one contiguous run, so moving a
-        # block to another worker is one descriptor (see kv_transfer/layout.py).
-        self.kv_cache = allocate_kv_cache(
-            (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim),
-            self.dtype, self.device, config.kv_cache_path)
-        self.hasher = BlockHasher(self.model_digest, self.block_size, config.hash_salt)
-        # Host and disk tiers below the device pool, if configured (engine/kv_tiers.py).
-        self.tiers = build_kv_tiers(config, self.kv_cache, self.model_digest, self.hasher.seed)
-        self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching,
-                              offloader=self.tiers)
-        self.kv = KVCacheManager(self.pool, self.block_size, self.hasher, self.tiers)
+        # The KV cache, its block pool and tiers, the manager over them (engine/kv_store.py).
+        self.store = KVStore(config, mc, self.model_digest, self.dtype, self.device,
+                             lambda: self.pipeline and self.pipeline.wait())
+        st = self.store
+        self.block_size, self.num_blocks, self.kv_cache = st.block_size, st.num_blocks, st.kv_cache
+        self.hasher, self.tiers, self.pool, self.kv = st.hasher, st.tiers, st.pool, st.kv
+        # A peer prefix pull's two ends (engine/prefix_pins.py), called by name like the rest.
+        self.pins = st.pins
+        self.pin_prefix, self.reserve_prefix = self.pins.pin, self.pins.reserve
+        self.commit_prefix = self.pins.commit
+        self.drain_events, self.cached_hashes = st.drain_events, st.cached_hashes
+        self.cached_hashes_by_medium, self.close = st.cached_hashes_by_medium, st.close
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_long_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device,
                                   attention=config.attention, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed)
         self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size,
                                             self.eos_token_ids)
         self.builder = SequenceBuilder(
@@ -180,7 +171,7 @@ class LLMEngine:
         """Free the blocks a finished prefill-only request was holding."""
         seq = self.held.pop(request_id, None)
         if seq is None:
-            return False
+            return self.pins.release(request_id)  # or a peer export's pinned prefix
         self.kv.free(seq)
         return True
 
@@ -191,40 +182,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.has_work() or self.imports)
 
-    def drain_events(self) -> list[BlockEvent]:
-        events = self.pool.drain_events()
-        return events + self.tiers.drain_events() if self.tiers is not None else events
-
-    def cached_hashes(self) -> list[int]:
-        """Every cached block hash, for a full rewrite of this worker's block set; the events
-        not yet drained are reflected in it, so they are dropped."""
-        self.pool.drain_events()
-        return self.pool.cached_hashes()
-
-    def cached_hashes_by_medium(self) -> dict[str, list[int]]:
-        """`cached_hashes` for every tier (device, host, disk); drops every undrained event."""
-        self.pool.drain_events()
-        tiers = self.tiers.hashes_by_medium() if self.tiers is not None else {}
-        return {"device": self.pool.cached_hashes(), "host": tiers.get("host", []),
-                "disk": tiers.get("disk", [])}
-
     @property
     def background_busy(self) -> bool:
         """Tier copies queued or tier events not drained: the loops poll for events while so."""
-        return self.tiers is not None and self.tiers.busy
-
-    def close(self) -> None:
-        """Stop the engine's own threads (the KV tiers')."""
-        if self.tiers is not None:
-            self.tiers.close()
+        return self.store.background_busy
 
     def stats(self) -> dict:
         """The load figures the worker publishes and exports as metrics (with tiers: their
         counters under `kv_tiers` and `reload_tokens_per_s` by tier)."""
-        return {**self.scheduler.stats(), "free_blocks": self.pool.num_free_blocks,
-                "num_blocks": self.num_blocks, "held": len(self.held),
-                "importing": len(self.imports),
-                **(self.tiers.stats() if self.tiers is not None else {})}
+        return {**self.scheduler.stats(), **self.store.stats(), "held": len(self.held),
+                "importing": len(self.imports)}
 
     # ---- stepping -------------------------------------------------------------------------
 

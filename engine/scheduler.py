@@ -19,6 +19,13 @@ compute, keeping its blocks until blocks run short, when the longest-parked one'
 before any running sequence is preempted (it is recomputed, mostly from the prefix cache, once
 resumed). `unpark` puts it at the front of the queue. The engine's client decides both from the
 tokens its reader has not taken yet (engine/output_stream.py).
+
+A sequence whose prefix continues in the KV tiers (host memory, disk) is loading from admission
+until its blocks are filled (engine/kv_cache_manager.py `start_load`): it holds those blocks, is
+not scheduled, and counts as waiting for the overlapped decode loop; the running sequences' steps
+go on meanwhile. Once its load is done it goes back to the front of the queue, and its admission
+finds the blocks that loaded as prefix-cache hits (the rest, if a file was gone or corrupt, is
+computed).
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from dataclasses import dataclass, field
 from engine.fair_share import FairShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence, SequenceStatus
+
+# With nothing to schedule but loads in flight, a step waits this long for one to finish (the
+# engine's loop reads its messages between two steps).
+LOAD_WAIT_S = 0.005
 
 
 @dataclass
@@ -63,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: list[Sequence] = []  # in the order they were parked
+        self.loading: list[Sequence] = []  # blocks being filled from the KV tiers
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -79,14 +91,16 @@ class Scheduler:
             self.add(seq)
 
     def has_work(self) -> bool:
-        """Whether a step would compute anything (parked sequences wait for their reader)."""
-        return bool(self.waiting or self.running)
+        """Whether a step would compute anything or finish a load (parked sequences wait for
+        their reader)."""
+        return bool(self.waiting or self.running or self.loading or self.kv.num_loads)
 
     def stats(self) -> dict[str, int]:
         """Queue lengths, and the tokens the waiting sequences have yet to compute (a copy of the
         queue is summed: another thread may read this while the engine's thread steps)."""
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "parked": len(self.parked), "preemptions": self.num_preemptions,
+                "parked": len(self.parked), "loading": len(self.loading),
+                "preemptions": self.num_preemptions,
                 "waiting_tokens": sum(s.num_tokens - s.num_computed_tokens
                                       for s in list(self.waiting))}
 
@@ -119,6 +133,7 @@ class Scheduler:
             if seq.block_table:
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
+                seq.tier_loaded = False
                 seq.num_preemptions += 1
                 self.num_preemptions += 1
                 return True
@@ -170,6 +185,7 @@ class Scheduler:
         # Admitting new work while others were just preempted would only thrash.
         if out.preempted:
             return out
+        self._reap_loads()
         deferred: list[Sequence] = []  # long prompts waiting for the one in progress
         while self.waiting and budget > 0:
             seq = self.waiting[fair.next_waiting(self.waiting)]
@@ -178,7 +194,12 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
-            prefix = self.kv.computed_prefix(seq) if not seq.block_table else []
+            if not seq.block_table and self.kv.start_load(seq):
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.LOADING
+                self.loading.append(seq)
+                continue
+            prefix = self.kv.computed_prefix(seq, reload=False) if not seq.block_table else []
             computed = len(prefix) * self.kv.block_size if prefix else seq.num_computed_tokens
             long = self._is_long(seq.num_tokens - computed)
             if long and num_long >= self.max_long_prefills:
@@ -202,7 +223,17 @@ class Scheduler:
                 continue
             break
         self.waiting.extendleft(reversed(deferred))  # back in front, in their order
+        if not out.scheduled and self.kv.num_loads:
+            self.kv.wait_loads(LOAD_WAIT_S)  # the next step takes what finished
         return out
+
+    def _reap_loads(self) -> None:
+        """Loaded sequences back to the front of the queue, in the order they started."""
+        done = [s for s in self.kv.finished_loads() if s in self.loading]
+        for seq in done:
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(done))
 
     def advance(self, out: SchedulerOutput) -> None:
         """`out` ran on the model: each sequence's computed tokens move on, and the blocks it
@@ -236,6 +267,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.tier_loaded = False
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
@@ -249,3 +281,5 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.parked:
             self.parked.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)

@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, being filled by a KV transfer
+    LOADING = "loading"  # blocks allocated, being filled from the KV tiers (kv_cache_manager.py)
     PARKED = "parked"  # out of the batch while its reader is behind (engine/scheduler.py)
     FINISHED = "finished"
 
@@ -43,13 +44,15 @@ class Sequence:
     # ... of which by the tier they were in ("device", "host", "disk"); None: none cached
     num_cached_tokens_by_medium: dict[str, int] | None = None
     reloaded_media: dict[int, str] = field(default_factory=dict)  # block hash -> tier reloaded from
+    tier_loaded: bool = False  # its tier load ran at this admission: not started again
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full blocks
     num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
     # Prefill-only requests stop after their first token but keep their blocks (for export).
     hold_blocks: bool = False
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's draws (engine/sampler.py)
+    sample_key: int | None = None  # the key of its draws without a seed, once sampled
     # llguidance's matcher of a structured-output request (structured_output.py)
     matcher: Any = None
     text_stream: TextStream | None = None

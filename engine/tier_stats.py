@@ -59,6 +59,15 @@ class TierStats:
         self.reload_bytes_per_s[medium] = (rate if old is None
                                            else old + _EWMA_WEIGHT * (rate - old))
 
+    def reload_seconds(self, media: list[str]) -> float:
+        """How long reloading one block from each of `media` takes at the measured rates (inf
+        while a tier's rate is not measured)."""
+        seconds = 0.0
+        for medium in media:
+            rate = self.reload_bytes_per_s[medium]
+            seconds += self.block_bytes / rate if rate else float("inf")
+        return seconds
+
     def reload_tokens_per_s(self) -> dict[str, float | None]:
         tokens_per_byte = self.block_size / self.block_bytes
         return {m: None if r is None else r * tokens_per_byte

@@ -72,3 +72,78 @@ def verify(kvp: KVTransferParams, token: str | None, prompt_token_ids: list[int]
     if require_signature and (kvp.num_tokens is None or kvp.prompt_hash is None
                               or kvp.block_hashes is None):
         raise InvalidHandle("the KV handle does not say which prompt it is for")
+
+
+# ---- peer prefix handles (issue 42: pull a cached prefix from whichever worker holds it) -------
+# A holder's export of its cached leading blocks (worker/prefix_export.py) is signed over these
+# fields, `kind` included: a prefix handle never checks as a P/D handle nor the other way round
+# (their signatures cover different field sets), and it names the one worker that may pull.
+PREFIX_KIND = "prefix"
+PREFIX_SIGNED_FIELDS = ("kind", "remote_request_id", "remote_engine_id", "remote_host",
+                        "remote_port", "remote_block_ids", "block_hashes", "requester",
+                        "expires_at", "remote_staging_start")
+
+
+def prefix_signature(fields: dict, token: str) -> str:
+    return sign_json({k: fields.get(k) for k in PREFIX_SIGNED_FIELDS}, token)
+
+
+def sign_prefix(fields: dict, token: str | None) -> dict:
+    """A prefix handle's fields with `kind` and (with a token) `signature` added."""
+    fields = {**fields, "kind": PREFIX_KIND}
+    return {**fields, "signature": prefix_signature(fields, token)} if token else fields
+
+
+def verify_prefix(kvp: KVTransferParams, token: str | None, requester: str,
+                  block_hashes: list[int], require_signature: bool,
+                  now: float | None = None) -> int:
+    """The number of leading blocks `kvp` lets worker `requester` pull into a prompt whose own
+    full-block hashes are `block_hashes`; raises InvalidHandle naming the first problem."""
+    fields = {**kvp.model_dump(), **(kvp.model_extra or {})}
+    missing = [k for k in REQUIRED_FIELDS + ("block_hashes",) if fields.get(k) is None]
+    if missing:
+        raise InvalidHandle(f"the prefix handle lacks {', '.join(missing)}")
+    if fields.get("kind") != PREFIX_KIND:
+        raise InvalidHandle("not a prefix handle")
+    if require_signature:
+        if not token:
+            raise InvalidHandle("signed KV handles need an internal token on this worker")
+        if not kvp.signature or not secrets_equal(kvp.signature, prefix_signature(fields, token)):
+            raise InvalidHandle("the prefix handle's signature does not match")
+        if kvp.expires_at is None:
+            raise InvalidHandle("the prefix handle has no expiry")
+    if kvp.expires_at is not None and (now if now is not None else time.time()) >= kvp.expires_at:
+        raise InvalidHandle("the prefix handle has expired")
+    if fields.get("requester") != requester:
+        raise InvalidHandle("the prefix handle was issued to another worker")
+    hashes, remote = list(kvp.block_hashes), list(kvp.remote_block_ids)
+    if not hashes or len(hashes) != len(remote):
+        raise InvalidHandle("the prefix handle names no blocks, or not one per hash")
+    if hashes != list(block_hashes[:len(hashes)]) or len(hashes) > len(block_hashes):
+        raise InvalidHandle("the prefix handle's block hashes are not this prompt's leading ones")
+    return len(hashes)
+
+
+class SpentHandles:
+    """The prefix handles a puller has used, each until it expires. A one-sided read (NIXL)
+    cannot be refused by the holder once the lease behind it has ended (the blocks may hold
+    another prompt's KV by then), so the puller refuses a second use of a handle itself. Bounded:
+    full of unexpired handles, it refuses new ones (the prompt is computed instead)."""
+
+    def __init__(self, capacity: int = 65_536, unexpiring_s: float = 3600.0) -> None:
+        self.capacity, self.unexpiring_s = capacity, unexpiring_s
+        self._until: dict[str, float] = {}
+
+    def spend(self, kvp: KVTransferParams, now: float | None = None) -> bool:
+        """Record `kvp` as used; False if it was already (or no room is left)."""
+        now = time.time() if now is None else now
+        key = kvp.signature or f"{kvp.remote_engine_id}/{kvp.remote_request_id}"
+        if key in self._until:
+            return False
+        if len(self._until) >= self.capacity:
+            self._until = {k: t for k, t in self._until.items() if t > now}
+            if len(self._until) >= self.capacity:
+                return False
+        # A handle without expiry (unsigned handles allowed: development) is kept for an hour.
+        self._until[key] = kvp.expires_at if kvp.expires_at is not None else now + self.unexpiring_s
+        return True

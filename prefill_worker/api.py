@@ -24,7 +24,7 @@ def prefill_router(state: WorkerState) -> APIRouter:
             # Stopped when the router gives the leg up (it disconnects, or calls /abort).
             resp = await run_abortable(state, request, req.request_id, run_prefill(
                 state, req.request_id, req.prompt_token_ids, params, req.lease_seconds,
-                tenant=req.tenant()))
+                tenant=req.tenant(), prefix_kv=req.prefix_kv_params))
         except APIError as e:
             state.metrics.requests.labels("prefill", str(e.status)).inc()
             raise

@@ -9,18 +9,21 @@ from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer import handle
 from worker.errors import APIError, api_error
+from worker.peer_pull import pull_prefix
 from worker.state import WorkerState
 
 
 async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
                       params: SamplingParams, lease_seconds: float | None,
-                      always_export: bool = False, tenant: Tenant | None = None) -> PrefillResponse:
+                      always_export: bool = False, tenant: Tenant | None = None,
+                      prefix_kv: KVTransferParams | None = None) -> PrefillResponse:
     """Prefill to the first token; keep and export the prompt's blocks unless already finished.
 
     `tenant`: who sent it (the batch is shared fairly between clients; the blocks' cache salt).
     Cancelled (its caller gone: worker/abortable.py), it holds nothing: a request still computing
     is aborted in the engine, a finished one's blocks are released unless already exported (then
     the lease is the caller's to cancel).
+    `prefix_kv`: a peer's prefix handle, pulled from before computing (worker/peer_pull.py).
     `always_export` is vLLM's semantics: the proxy caps the prefill leg at `max_tokens: 1` and the
     decode side recomputes the last prompt token, so the blocks are kept whatever the first token.
     """
@@ -36,6 +39,9 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     engine, core = state.engine, state.core
     try:
         out: RequestOutput | None = None
+        # A peer's prefix first, if the router found one (worker/peer_pull.py).
+        pulled = await pull_prefix(state, prefix_kv, request_id, prompt,
+                                   tenant and tenant.cache_salt)
         try:
             async for out in engine.generate(  # noqa: B007
                     request_id, prompt, params, hold_blocks=True, tenant=tenant):
@@ -75,10 +81,18 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
     return PrefillResponse(
         request_id=request_id,
         first_token_id=out.token_ids[0],
-        num_cached_tokens=out.num_cached_tokens,
-        num_cached_tokens_by_medium=out.num_cached_tokens_by_medium,
+        num_cached_tokens=max(out.num_cached_tokens - pulled.num_tokens, 0),
+        num_cached_tokens_by_medium=_uncount(out.num_cached_tokens_by_medium, pulled.num_tokens),
+        num_pulled_tokens=pulled.num_tokens,
         kv_transfer_params=kv,
         first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
                             if lp else None,
         finish_reason=out.finish_reason if done else None,
     )
+
+
+def _uncount(by_medium: dict[str, int] | None, num_pulled: int) -> dict[str, int] | None:
+    """Cached tokens by tier without those pulled from a peer (they landed on the device)."""
+    if not by_medium or not num_pulled:
+        return by_medium
+    return {**by_medium, "device": max(by_medium.get("device", 0) - num_pulled, 0)}

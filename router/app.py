@@ -19,6 +19,7 @@ from router.gateway import Gateway
 from router.metrics import NO_MODEL
 from router.openai_format import body_schema, correlation_id
 from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.planner_loop import PlannerLoop, planner_config, planning
 from router.policy import ROLES
 from router.responses import complete
 from router.settings import RouterSettings
@@ -26,10 +27,13 @@ from router.settings import RouterSettings
 
 def create_app(settings: RouterSettings) -> FastAPI:
     gw = Gateway.from_settings(settings)
+    planner = PlannerLoop(planner_config(settings), settings.planner_interval_s, gw.registry,
+                          gw.metrics, gw.directory,
+                          lambda: served_models(gw)) if settings.planner_interval_s else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with gw.running():
+        async with gw.running(), planning(planner, gw.directory.errors):
             yield
 
     # Errors answered before a model is known (413, a client gone) count under no model.
@@ -78,6 +82,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     app.state.directory = gw.directory
     app.state.gateway = gw
+    app.state.planner = planner
     return app
 
 

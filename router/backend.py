@@ -33,11 +33,18 @@ from router.worker_info import WorkerInfo
 
 class WorkerFailure(RuntimeError):
     """A worker could not be reached or answered with a server error (`status`, if it
-    answered: a 503 before any token is a refusal, as from a draining worker)."""
+    answered: a 503 before any token is a refusal, as from a draining worker; `code`, the
+    error's code, and `retry_after_s`, its Retry-After, where it gave them)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.code, self.retry_after_s = status, code, retry_after_s
+
+
+class KVCacheFull(WorkerFailure):
+    """Every decode worker refused the prompt's KV import for a full cache (503
+    `out_of_kv_blocks`), through every retry the router allows: the client is told to retry."""
 
 
 class TransferFailed(RuntimeError):
@@ -181,11 +188,13 @@ async def get_json(http, w: WorkerInfo, path: str, headers: dict, parse: bool = 
     return orjson.loads(raw) if parse and raw else {}
 
 
-def check(w: WorkerInfo, status: int, raw: bytes) -> None:
+def check(w: WorkerInfo, status: int, raw: bytes, retry_after: str | None = None) -> None:
     if status >= 500 or status == 429:
-        if status == 502 and _code(raw) == KV_TRANSFER_FAILED:
+        code = _code(raw)
+        if status == 502 and code == KV_TRANSFER_FAILED:
             raise TransferFailed(f"{w.worker_id}: could not pull the prompt's KV blocks")
-        raise WorkerFailure(f"{w.worker_id}: HTTP {status}", status)
+        raise WorkerFailure(f"{w.worker_id}: HTTP {status}" + (f" {code}" if code else ""),
+                            status, code, _seconds(retry_after))
     if status >= 400:
         raise RequestRejected(status, error_body(raw))
 
@@ -218,7 +227,7 @@ class stream:
                 raw = await r.read()
                 await self._cm.__aexit__(None, None, None)
                 self._cm = None
-                check(self.w, r.status, raw)
+                check(self.w, r.status, raw, r.headers.get("Retry-After"))
             return r
         except (aiohttp.ClientError, TimeoutError) as e:
             self.w.inflight -= 1
@@ -254,8 +263,19 @@ def url(base: str, path: str) -> yarl.URL:
 
 
 def _code(raw: bytes) -> str | None:
-    err = error_body(raw).get("error")
-    return err.get("code") if isinstance(err, dict) else None
+    body = error_body(raw)
+    err = body.get("error") if isinstance(body, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After in seconds (the HTTP-date form, which no worker sends, reads as None)."""
+    try:
+        seconds = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < float("inf") else None
 
 
 def error_body(raw: bytes) -> dict:

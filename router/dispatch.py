@@ -10,16 +10,22 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from common.protocol import (
+    KVTransferParams,
     PrefillResponse,
     RequestTiming,
     SamplingOptions,
     StreamEvent,
     Tenant,
-    TokenLogprob,
 )
 from router.backend import Backend, RequestRejected, TransferFailed, WorkerFailure
-from router.policy import Plan
+from router.kv_full_retry import KVFullRetry, refused_for_kv
+from router.leg_outcomes import check_vocab, learn_bandwidth, learn_prefill_rate
+from router.local_prefill import queued_until_first, uncached_tokens
+from router.peer_pull import export_prefix, leg_pull
+from router.plan import Plan
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
@@ -42,8 +48,13 @@ class Trace:
     prefill_s: float = 0.0
     retries: int = 0
     resumed: int = 0
+    kv_full_retries: int = 0  # decode legs tried again after a refusal for a full KV cache
+    kv_full_waits: int = 0  # ... of which after waiting, every decode worker having refused
+    started: float = field(default_factory=time.monotonic)
     fallback: str | None = None
     first_token_at: float | None = None  # perf_counter() when the router had the first token
+    kv_source: str | None = None  # the peer whose prefix was pulled (router/peer_pull.py)
+    num_pulled_tokens: int = 0  # prompt tokens pulled from it (not in num_cached_tokens)
     worker_timing: RequestTiming = field(default_factory=RequestTiming)
 
     def record_cached(self, num_cached_tokens: int, by_medium: dict[str, int] | None) -> None:
@@ -60,12 +71,15 @@ class Dispatcher:
     request's life across legs and workers."""
 
     def __init__(self, backends: dict[str, Backend], directory: WorkerDirectory,
-                 max_prefill_retries: int, retry_backoff_s: float) -> None:
+                 max_prefill_retries: int, retry_backoff_s: float, kv_full_waits: int = 3,
+                 request_timeout_s: float = 300.0, export_timeout_s: float = 10.0) -> None:
         self.backends = backends
         self.directory = directory
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
+        self.kv_full = KVFullRetry(self._next_decoder, kv_full_waits, request_timeout_s)
         self._aborts: set[asyncio.Task] = set()
+        self.export_timeout = aiohttp.ClientTimeout(total=export_timeout_s)  # peer pulls'
 
     def abort(self, w: WorkerInfo, request_id: str) -> None:
         """Tell `w` to drop `request_id` (a leg given up on), without waiting for it: in a task of
@@ -90,7 +104,10 @@ class Dispatcher:
         sent: list[int] = []
         kv_params = None
         decode = plan.decode
+        lease_id = request_id  # what the prefill worker holds the prompt's blocks under
         prefilled_on: WorkerInfo | None = None
+        prefix = await export_prefix(self.backends, plan, request_id, trace,  # a peer's, or None
+                                     self.export_timeout)
         if plan.kind == "disagg":
             # The decode worker is taken from the moment of routing, not from when its stream
             # opens: a burst routed while every prefill is still running would otherwise see idle
@@ -98,12 +115,13 @@ class Dispatcher:
             decode.inflight += 1
             try:
                 got = await self._prefill_with_retries(plan, request_id, prompt, sampling, trace,
-                                                       vocab_size, tenant)
+                                                       vocab_size, tenant, prefix)
             finally:
                 decode.inflight -= 1
             if got is not None:
                 pre, prefilled_on = got
                 trace.record_cached(pre.num_cached_tokens, pre.num_cached_tokens_by_medium)
+                trace.num_pulled_tokens = pre.num_pulled_tokens
                 kv_params = pre.kv_transfer_params
                 first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
@@ -132,8 +150,12 @@ class Dispatcher:
             try:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
                 backend = self.backends[decode.backend]
-                async with aclosing(backend.generate(decode, request_id, prompt, sent, sampling,
-                                                     kv_params, tenant)) as events:
+                leg = backend.generate(decode, request_id, prompt, sent, sampling, kv_params,
+                                       tenant, **leg_pull(prefix, plan, decode, sent))
+                if kv_params is None:  # it prefills there: queued on it until its first token
+                    leg = queued_until_first(
+                        leg, decode, uncached_tokens(plan, decode, len(prompt) + len(sent)))
+                async with aclosing(leg) as events:
                     async for ev in events:
                         check_vocab(decode, ev.token_ids, ev.logprobs, vocab_size)
                         if trace.first_token_at is None and ev.token_ids:
@@ -154,6 +176,7 @@ class Dispatcher:
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.record_cached(ev.num_cached_tokens,
                                                     ev.num_cached_tokens_by_medium)
+                                trace.num_pulled_tokens = trace.worker_timing.num_pulled_tokens
                         yield ev
                         if ev.finish_reason is not None:
                             self.directory.record_success(decode)
@@ -167,6 +190,15 @@ class Dispatcher:
                     self.directory.record_failure(prefilled_on)
                 raise
             except WorkerFailure as e:
+                if refused_for_kv(e) and len(sent) == num_sent:  # no fault of the worker's
+                    try:
+                        decode, tried = await self.kv_full.next_try(e, tried, trace)
+                    except BaseException:  # given up, or the client left: the blocks go now
+                        if prefilled_on is not None and kv_params is not None:
+                            self.abort(prefilled_on, lease_id)
+                        raise
+                    request_id = f"{lease_id}.k{trace.kv_full_retries}"
+                    continue
                 self.directory.record_failure(decode)
                 # Resume elsewhere with every token the client has: no token lost or repeated.
                 nxt = self._next_decoder(tried, trace.model)
@@ -188,7 +220,8 @@ class Dispatcher:
         return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
     async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace,
-                                    vocab_size: int | None, tenant: Tenant | None = None
+                                    vocab_size: int | None, tenant: Tenant | None = None,
+                                    prefix: KVTransferParams | None = None
                                     ) -> tuple[PrefillResponse, WorkerInfo] | None:
         """The first prefill answer and the worker that gave it; None: prefill locally. A leg
         given up on (timed out, a bad answer, the client gone) is aborted on its worker."""
@@ -208,7 +241,8 @@ class Dispatcher:
             failure: WorkerFailure | None = None
             try:
                 resp = await self.backends[p.backend].prefill(p, request_id, prompt, sampling,
-                                                              tenant, num_uncached=to_compute)
+                                                              tenant, num_uncached=to_compute,
+                                                              **leg_pull(prefix, plan, p))
                 check_vocab(p, [] if resp.first_token_id is None else [resp.first_token_id],
                             [resp.first_token_logprob] if resp.first_token_logprob else None,
                             vocab_size)
@@ -225,7 +259,8 @@ class Dispatcher:
             if failure is None:
                 elapsed = time.monotonic() - t0
                 trace.prefill_s = elapsed
-                learn_prefill_rate(p, len(prompt) - resp.num_cached_tokens, elapsed)
+                learn_prefill_rate(p, len(prompt) - resp.num_cached_tokens
+                                   - resp.num_pulled_tokens, elapsed)
                 self.directory.record_success(p)
                 return resp, p
             if failure.status is None:
@@ -244,36 +279,3 @@ class Dispatcher:
             p = min(others, key=lambda w: (w.inflight, w.queued_tokens()))
             await asyncio.sleep(self.retry_backoff_s * (2 ** attempt))
         return None
-
-def check_vocab(w: WorkerInfo, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-                vocab_size: int | None) -> None:
-    """WorkerFailure for a token id at or past the model's vocabulary (sampled or in logprobs):
-    such an answer comes from a broken or lying worker, and relaying it would drop the token
-    from the text silently."""
-    if vocab_size is None:
-        return
-    top = max(token_ids, default=-1)
-    for lp in logprobs or ():
-        top = max(top, lp.token_id, max((t for t, _ in lp.top), default=-1))
-    if top >= vocab_size:
-        raise WorkerFailure(f"{w.worker_id}: token id {top} is outside the model's vocabulary "
-                            f"[0, {vocab_size})")
-
-
-def learn_prefill_rate(w: WorkerInfo, num_computed: int, seconds: float) -> None:
-    """EWMA of a worker's prefill tokens/s, from one prefill leg (queueing included: it is what
-    the next request will see); short prompts are mostly fixed cost and are skipped."""
-    if num_computed > 64 and seconds > 0:
-        rate = num_computed / seconds
-        w.prefill_tokens_per_s = rate if w.prefill_tokens_per_s is None else \
-            0.8 * w.prefill_tokens_per_s + 0.2 * rate
-
-
-def learn_bandwidth(w: WorkerInfo, timing: RequestTiming) -> None:
-    """EWMA of the KV bytes/s a decode worker's pulls achieved (what kv_aware charges a transfer);
-    tiny pulls are all fixed cost and would make the link look slow."""
-    num_bytes, seconds = timing.transfer_bytes, timing.transfer_s
-    if num_bytes >= 1 << 20 and seconds > 0:
-        rate = num_bytes / seconds
-        w.transfer_bytes_per_s = rate if w.transfer_bytes_per_s is None else \
-            0.8 * w.transfer_bytes_per_s + 0.2 * rate

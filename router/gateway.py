@@ -15,22 +15,24 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from common.background import BackgroundErrors
-from common.errors import APIError
+from common.errors import OUT_OF_KV_BLOCKS, APIError
 from common.protocol import SamplingOptions, StreamEvent, Tenant
 from common.redis_client import connect
 from common.registry import RedisKeys
 from common.tool_calls import PARSERS
 from router.admission import Admission
-from router.backend import RequestRejected, Timeouts, TransferFailed, WorkerFailure
+from router.backend import KVCacheFull, RequestRejected, Timeouts, TransferFailed, WorkerFailure
 from router.backends import BACKENDS
 from router.choices import Choices
 from router.clients import ClientGate
 from router.dispatch import Dispatcher, Trace
+from router.eviction_cost import note_placement
 from router.index import INDEXES, PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
-from router.policy import NoWorkers, Plan, Policy, make_policy, plan_for
+from router.plan import NoWorkers, Plan, Policy
+from router.policy import make_policy, plan_for
 from router.prefix_lookup import IndexUnavailable, PrefixLookup
 from router.prompts import Prompts
 from router.settings import RouterSettings
@@ -117,7 +119,8 @@ class Gateway:
             backends["vllm"].report_full_prefix = s.vllm_report_full_prefix
             if self.dispatcher is None:
                 self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
-                                             s.retry_backoff_s)
+                                             s.retry_backoff_s, s.kv_full_waits,
+                                             s.request_timeout_s, s.peer_pull_export_timeout_s)
 
             def probe(w):
                 return backends[w.backend].probe(w)
@@ -182,7 +185,11 @@ class Gateway:
         except NoWorkers as e:
             raise APIError(503, f"{e} for model {model.name!r}", "no_workers",
                            headers={"Retry-After": "1"}) from e
+        if plan.kv_source is not None:  # the holder is asked for these (router/peer_pull.py)
+            plan.pull_hashes = lookup.chains[plan.kv_source.block_size][:plan.pull_blocks]
         lookup.record(plan, self.directory.workers)
+        # Its workers' headroom reports lag: count the blocks sent there now (eviction_cost.py).
+        note_placement(plan, len(prompt), matches, self.settings.placement_memory_s)
         self.metrics.route.labels(plan.kind, model.name).inc()
         self.metrics.count_cached(plan, model.name)
         self.metrics.overhead.labels(model.name).observe(time.perf_counter() - t0)
@@ -230,6 +237,10 @@ class Gateway:
             raise APIError(503, "the prompt's KV cache was lost in transfer from the prefill "
                            "worker, and this cluster does not recompute it; retry the request",
                            "kv_transfer_failed", headers={"Retry-After": "1"}) from e
+        except KVCacheFull as e:
+            log_failure(rid, trace, str(e))
+            raise APIError(503, "every decode worker's KV cache is full; retry the request",
+                           OUT_OF_KV_BLOCKS, headers={"Retry-After": "1"}) from e
         except WorkerFailure as e:
             # What failed where goes to the log; the client learns only that it failed (worker
             # ids carry addresses, exception reprs carry internals).
@@ -249,6 +260,8 @@ class Gateway:
             m.retries.labels("prefill", model).inc(trace.retries)
         if trace.resumed:
             m.retries.labels("resume", model).inc(trace.resumed)
+        if trace.kv_full_retries:
+            m.retries.labels("kv_full", model).inc(trace.kv_full_retries)
 
 
 def log_failure(request_id: str, trace: Trace, cause: str) -> None:

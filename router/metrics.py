@@ -9,7 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common.block_events import MEDIA
 
 if TYPE_CHECKING:
-    from router.policy import Plan
+    from router.plan import Plan
+    from router.planner import Decision
+    from router.planner_inputs import Measurements
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -62,6 +64,7 @@ class RouterMetrics:
                               "Requests running or queued in this router",
                               registry=r)  # the HPA's scaling signal (charts/tandem)
         self.workers = Gauge("tandem_live_workers", "Live workers by role", ["role"], registry=r)
+        self.planner = PlannerGauges(r)
 
     def add_model(self, model: str) -> None:
         """Create a model's series at zero, so rate() sees its first requests and hits."""
@@ -90,3 +93,44 @@ class RouterMetrics:
 
     def count(self, status: int, model: str) -> None:
         self.requests.labels(str(status), model if model in self._known else NO_MODEL).inc()
+
+
+class PlannerGauges:
+    """The SLO planner's decision per model and pool, and what it was made from
+    (router/planner_loop.py): what a Kubernetes autoscaler follows (charts/tandem)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, m = registry, ["model"]
+        self.desired = Gauge("tandem_planner_desired_replicas", "Replicas the SLO planner "
+                             "wants per pool (damped, bounded)", ["model", "pool"], registry=r)
+        self.needed = Gauge("tandem_planner_needed_replicas", "Replicas the forecast load "
+                            "needs per pool (before damping and bounds)", ["model", "pool"],
+                            registry=r)
+        self.tokens = Gauge("tandem_planner_tokens_per_second", "Uncached prompt and output "
+                            "tokens per second, measured and forecast (with headroom)",
+                            ["model", "kind", "basis"], registry=r)
+        self.streams = Gauge("tandem_planner_streams_decoding", "Streams running on the decode "
+                             "workers", m, registry=r)
+        self.queued = Gauge("tandem_planner_prefill_queued_tokens", "Uncached prompt tokens "
+                            "queued on the prefill workers", m, registry=r)
+        self.prefill_rate = Gauge("tandem_planner_prefill_worker_tokens_per_second",
+                                  "One prefill worker's rate, as the planner uses it", m,
+                                  registry=r)
+        self.step = Gauge("tandem_planner_decode_step_seconds", "The decode step time's fitted "
+                          "line: base and per running sequence", ["model", "term"], registry=r)
+
+    def export(self, model: str, m: Measurements, d: Decision) -> None:
+        for pool in ("prefill", "decode"):
+            self.desired.labels(model, pool).set(d.pool(pool).desired)
+            self.needed.labels(model, pool).set(d.pool(pool).needed)
+        for kind, measured, forecast in (
+                ("uncached_prompt", m.uncached_prompt_tokens_per_s,
+                 d.uncached_prompt_tokens_per_s),
+                ("output", m.output_tokens_per_s, d.output_tokens_per_s)):
+            self.tokens.labels(model, kind, "measured").set(measured)
+            self.tokens.labels(model, kind, "forecast").set(forecast)
+        self.streams.labels(model).set(m.streams_decoding)
+        self.queued.labels(model).set(m.prefill_queued_tokens)
+        self.prefill_rate.labels(model).set(d.prefill_tokens_per_s)
+        for term, value in zip(("base", "per_sequence"), d.decode_step, strict=True):
+            self.step.labels(model, term).set(value)

@@ -132,11 +132,12 @@ def timing_field(trace: Trace | None, t_start: float, expose_workers: bool = Fal
     if trace is None:
         return {}
     wt = trace.worker_timing
-    workers = {"prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker} \
-        if expose_workers else {}
+    workers = {"prefill_worker": trace.prefill_worker, "decode_worker": trace.decode_worker,
+               "kv_source": trace.kv_source} if expose_workers else {}
     return {"plan": trace.plan, "client_request_id": trace.client_request_id, **workers,
             "num_cached_tokens": trace.num_cached_tokens,
-            "num_cached_tokens_by_medium": trace.num_cached_tokens_by_medium, "queue_s": wt.queue_s,
+            "num_cached_tokens_by_medium": trace.num_cached_tokens_by_medium,
+            "num_pulled_tokens": trace.num_pulled_tokens, "queue_s": wt.queue_s,
             "prefill_s": trace.prefill_s, "transfer_s": wt.transfer_s,
             "transfer_bytes": wt.transfer_bytes,
             "decode_s": wt.decode_s, "total_s": time.perf_counter() - t_start,

@@ -1,110 +1,30 @@
 """Routing policies behind one Protocol and a name table (`POLICIES`).
 
-Every policy sees the same `RouteContext` and returns a `Plan`:
+Every policy sees the same `RouteContext` and returns a `Plan` (router/plan.py):
 - `disagg`: prefill on a prefill worker, then decode on a decode worker (KV pulled);
 - `decode_local`: the decode worker prefills itself (conditional disaggregation: it already
   holds most of the prompt, so few uncached tokens are cheaper to compute than to fetch);
 - `colocated`: one colocated worker does both (fallback when a pool is empty).
 
-`kv_aware` predicts the time to first token of each candidate plan and picks the minimum; near
-ties go to the less loaded worker. A worker's hits in its lower KV tiers (host, disk) are priced
-at its reload rates, and count only where reloading beats recomputing (router/reload_cost.py).
+`kv_aware` predicts the time to first token of each candidate plan, adds the cost of the cached
+blocks it would evict where it lands (router/eviction_cost.py), and picks the minimum; near ties
+go to the less loaded worker, then to the one with more empty KV blocks. A worker's hits in its
+lower KV tiers (host, disk) are priced at its reload rates, and count only where reloading beats
+recomputing (router/reload_cost.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
-from dataclasses import dataclass, field
-from typing import Protocol
 
+from router.baseline_policies import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from router.eviction_cost import eviction_s
+from router.peer_pull import best_pull, plan_peer_pull, sources
+from router.plan import NoWorkers, Plan, Policy, RouteContext, load_key, plan_of
 from router.reload_cost import PricedHit, price_hit
 from router.settings import RouterSettings
 from router.tiered_match import MatchByMedium
 from router.worker_info import WorkerInfo
-
-
-@dataclass
-class RouteContext:
-    num_tokens: int
-    num_blocks: int  # full blocks of the prompt
-    # Leading matched blocks per worker id, in its own block size, held in any KV tier.
-    matches: dict[str, int]
-    prefill: list[WorkerInfo]
-    decode: list[WorkerInfo]
-    colocated: list[WorkerInfo]
-    block_size: int  # the model's first workers'; a worker's own is `WorkerInfo.block_size`
-    # How each worker's match splits by tier (router/tiered_match.py); a worker left out holds
-    # its whole match on the device.
-    media: dict[str, MatchByMedium] = field(default_factory=dict)
-
-
-@dataclass
-class Plan:
-    kind: str  # disagg | decode_local | colocated
-    decode: WorkerInfo
-    prefill: WorkerInfo | None = None
-    predicted_s: float | None = None
-    cached_blocks: int = 0  # on the worker that prefills
-    cached_media: MatchByMedium | None = None  # those blocks by tier (None: all on the device)
-
-
-class NoWorkers(RuntimeError):
-    pass
-
-
-class Policy(Protocol):
-    def __init__(self, settings: RouterSettings) -> None: ...
-
-    def choose(self, ctx: RouteContext) -> Plan: ...
-
-
-def _default_plan(ctx: RouteContext, pick) -> Plan:
-    if ctx.prefill and ctx.decode:
-        p, d = pick(ctx.prefill, "p"), pick(ctx.decode, "d")
-        return Plan("disagg", d, p, cached_blocks=ctx.matches.get(p.worker_id, 0),
-                    cached_media=ctx.media.get(p.worker_id))
-    pool = ctx.colocated or ctx.decode
-    if pool:
-        w = pick(pool, "c")
-        return Plan("colocated" if w.role == "colocated" else "decode_local", w,
-                    cached_blocks=ctx.matches.get(w.worker_id, 0),
-                    cached_media=ctx.media.get(w.worker_id))
-    raise NoWorkers("no live decode or colocated worker")
-
-
-class RoundRobinPolicy:
-    def __init__(self, settings: RouterSettings) -> None:
-        self._counters: dict[str, itertools.count] = {}
-
-    def choose(self, ctx: RouteContext) -> Plan:
-        def pick(pool, tag):
-            n = next(self._counters.setdefault(tag, itertools.count()))
-            return sorted(pool, key=lambda w: w.worker_id)[n % len(pool)]
-
-        return _default_plan(ctx, pick)
-
-
-class RandomPolicy:
-    def __init__(self, settings: RouterSettings) -> None:
-        self._rng = random.Random(settings.policy_seed)
-
-    def choose(self, ctx: RouteContext) -> Plan:
-        return _default_plan(ctx, lambda pool, tag: self._rng.choice(pool))
-
-
-class LeastLoadedPolicy:
-    def __init__(self, settings: RouterSettings) -> None:
-        pass
-
-    def choose(self, ctx: RouteContext) -> Plan:
-        return _default_plan(ctx, lambda pool, tag: min(pool, key=_load_key))
-
-
-def _load_key(w: WorkerInfo) -> tuple:
-    return (w.inflight + w.running() + int(w.load.get("waiting", 0)), w.queued_tokens(),
-            w.worker_id)
 
 
 class KVAwarePolicy:
@@ -112,6 +32,7 @@ class KVAwarePolicy:
         self.s = settings
         self._fleet_rate: float | None = None
         self._fleet_bw: float | None = None
+        self._sources: list[WorkerInfo] = []  # the prompt's best peer-pull holders
 
     def _rate(self, w: WorkerInfo) -> float:
         # Unmeasured workers are assumed as fast as the measured ones (same model everywhere).
@@ -123,9 +44,15 @@ class KVAwarePolicy:
                          self._rate(w), self.s)
 
     def _prefill_s(self, w: WorkerInfo, ctx: RouteContext) -> tuple[float, PricedHit]:
+        """Seconds until `w` has computed the prompt: its queue, what it lacks (less what
+        pulling a longer match from a peer saves, with peer pulls on), its tier reloads."""
         hit = self._hit(w, ctx)
         uncached = max(ctx.num_tokens - hit.blocks * w.block_size, 1)
-        return (w.queued_tokens() + uncached) / self._rate(w) + hit.reload_s, hit
+        pulled_s = best_pull(w, ctx, self.s, self._rate, self._fleet_bw, self._sources)[0]
+        return (w.queued_tokens() + uncached) / self._rate(w) + hit.reload_s - pulled_s, hit
+
+    def _evict_s(self, w: WorkerInfo, ctx: RouteContext, hit: PricedHit) -> float:
+        return eviction_s(w, ctx.num_tokens, hit, self._rate(w), self.s)
 
     def _around_backlog(self, ctx: RouteContext,
                         decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
@@ -145,8 +72,8 @@ class KVAwarePolicy:
                 continue
             t_local *= 1 + s.local_prefill_interference * d.running()
             stall = d.running() * uncached / self._rate(d)
-            price = t_local + s.local_prefill_stall_weight * stall
-            out.append((price, _load_key(d), _plan("decode_local", d, None, t_local, hit)))
+            price = t_local + s.local_prefill_stall_weight * stall + self._evict_s(d, ctx, hit)
+            out.append((price, load_key(d), plan_of("decode_local", d, None, t_local, hit)))
         return out
 
     def choose(self, ctx: RouteContext) -> Plan:
@@ -156,8 +83,10 @@ class KVAwarePolicy:
         self._fleet_rate = sum(rates) / len(rates) if rates else None
         bws = [w.transfer_bytes_per_s for w in ctx.decode if w.transfer_bytes_per_s]
         self._fleet_bw = sum(bws) / len(bws) if bws else None
+        self._sources = sources(ctx) if s.peer_pulls else []
         local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
-        transfer: list[tuple[float, WorkerInfo]] = []  # (weighted transfer seconds, decode worker)
+        # (weighted transfer seconds + eviction on the decode worker, decode worker, eviction)
+        transfer: list[tuple[float, WorkerInfo, float]] = []
         others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
             hit, size = self._hit(d, ctx), d.block_size
@@ -169,7 +98,8 @@ class KVAwarePolicy:
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, hit = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
-                local.append((t_local, _load_key(d), _plan("decode_local", d, None, t_local, hit)))
+                local.append((t_local + self._evict_s(d, ctx, hit), load_key(d),
+                              plan_of("decode_local", d, None, t_local, hit)))
             else:
                 others.append(d)
             # Missing full blocks plus the partial tail block always move, at the bandwidth this
@@ -179,18 +109,20 @@ class KVAwarePolicy:
             bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
             transfer_s = (s.transfer_fixed_s + hit.reload_s
                           + missing * (d.block_bytes or s.bytes_per_block) / bandwidth)
-            transfer.append((s.transfer_weight * transfer_s, d))
+            evict_d = self._evict_s(d, ctx, hit)
+            transfer.append((s.transfer_weight * transfer_s + evict_d, d, evict_d))
         for c in ctx.colocated:
             t, hit = self._prefill_s(c, ctx)
             t *= 1 + s.local_prefill_interference * c.running()
-            local.append((t, _load_key(c), _plan("colocated", c, None, t, hit)))
-        prefill = [(*self._prefill_s(p, ctx), p) for p in ctx.prefill] if transfer else []
+            local.append((t + self._evict_s(c, ctx, hit), load_key(c),
+                          plan_of("colocated", c, None, t, hit)))
+        prefill = [self._priced_prefill(p, ctx) for p in ctx.prefill] if transfer else []
         if s.conditional_disagg and s.local_prefill_when_backed_up and prefill:
             local += self._around_backlog(ctx, others)
         # A disaggregated plan costs prefill(p) + transfer(d): the two terms are independent, so
         # the search is over P + D workers, not P x D pairs (128 workers: 128 terms, not 4096).
-        min_td = min((t for t, _ in transfer), default=math.inf)
-        best = min([t for t, _, _ in prefill] or [math.inf]) + min_td
+        min_td = min((t for t, _, _ in transfer), default=math.inf)
+        best = min([e[0] for e in prefill] or [math.inf]) + min_td
         best = min([best] + [t for t, _, _ in local])
         if best == math.inf:
             raise NoWorkers("no live decode or colocated worker")
@@ -200,18 +132,20 @@ class KVAwarePolicy:
         # every near-tie pair by (kind, load(p) + load(d), t), found in two passes.
         near_p = [e for e in prefill if e[0] + min_td <= bound]
         if near_p:
-            t_p, hit_p, p = min(near_p, key=lambda e: _load_key(e[2]))
-            t_d, d = min(((t, d) for t, d in transfer if t_p + t <= bound),
-                         key=lambda e: (_load_key(e[1]), e[0]))
-            return _plan("disagg", d, p, t_p + t_d, hit_p)
+            t_p, hit_p, p, evict_p = min(near_p, key=lambda e: load_key(e[2]))
+            t_d, d, evict_d = min((e for e in transfer if t_p + e[0] <= bound),
+                                  key=lambda e: (load_key(e[1]), e[0]))
+            return plan_of("disagg", d, p, t_p + t_d - evict_p - evict_d, hit_p)
         near = [c for c in local if c[0] <= bound]
         near.sort(key=lambda c: (c[1], c[0]))
         return near[0][2]
 
-
-def _plan(kind: str, decode: WorkerInfo, prefill: WorkerInfo | None, predicted_s: float,
-          hit: PricedHit) -> Plan:
-    return Plan(kind, decode, prefill, predicted_s, hit.blocks, hit.counted)
+    def _priced_prefill(self, p: WorkerInfo, ctx: RouteContext
+                        ) -> tuple[float, PricedHit, WorkerInfo, float]:
+        """(prefill seconds + eviction on `p`, its hit, `p`, that eviction's cost)."""
+        t, hit = self._prefill_s(p, ctx)
+        evict = self._evict_s(p, ctx, hit)
+        return t + evict, hit, p, evict
 
 
 POLICIES: dict[str, type] = {
@@ -266,4 +200,7 @@ def _choose(policy: Policy, num_tokens: int, matches: dict[str, int], live: list
     by_role = {r: [w for w in live if w.role == r] for r in ROLES}
     ctx = RouteContext(num_tokens, num_blocks, matches, by_role["prefill"], by_role["decode"],
                        by_role["colocated"], block_size, media)
-    return policy.choose(ctx)
+    plan = policy.choose(ctx)
+    if isinstance(policy, KVAwarePolicy) and policy.s.peer_pulls:
+        plan_peer_pull(plan, ctx, policy.s, policy._rate, policy._fleet_bw)
+    return plan

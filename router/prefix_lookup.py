@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from router.index import UNAVAILABLE
 from router.models import ServedModel
-from router.policy import Plan
+from router.plan import Plan
 from router.speculative import SpeculativeIndex
 from router.tiered_match import MatchByMedium
 from router.worker_info import WorkerInfo

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from common.block_events import Medium
-from router.tiered_match import MatchByMedium, split_run
+from router.tiered_match import NO_MATCH, MatchByMedium, split_run
 
 SEARCHES = ("gallop", "exact")
 LOWER_TIERS: tuple[Medium, ...] = ("host", "disk")
@@ -30,6 +30,9 @@ LOWER_TIERS: tuple[Medium, ...] = ("host", "disk")
 class BlockReplica:
     def __init__(self) -> None:
         self._bits: dict[str, int] = {}  # worker id -> its bit (a power of two)
+        self._by_bit: dict[int, str] = {}  # and back
+        self._version = 0  # changes whenever a bit is given or freed
+        self._last_candidates: tuple[tuple, int] = ((), 0)
         self._free: list[int] = []
         self._next = 0
         self.holders: dict[int, int] = {}  # block hash -> mask of holders (device)
@@ -59,10 +62,13 @@ class BlockReplica:
         bit = self._bit(worker_id)
         holders, by_worker = self._maps(medium)
         held = by_worker.setdefault(worker_id, set())
-        for h in block_hashes:
-            if h not in held:
-                held.add(h)
-                holders[h] = holders.get(h, 0) | bit
+        # Set arithmetic in C first: a worker re-storing blocks it holds (a decode worker caching
+        # a sequence whose prompt it already has) costs no Python-level loop over them.
+        new = set(block_hashes).difference(held)  # (walks the new list, not the held set)
+        held.update(new)
+        get = holders.get
+        for h in new:
+            holders[h] = get(h, 0) | bit
 
     def remove(self, worker_id: str, block_hashes: Iterable[int],
                medium: Medium = "device") -> None:
@@ -71,14 +77,15 @@ class BlockReplica:
         held = by_worker.get(worker_id)
         if bit is None or held is None:
             return
-        for h in block_hashes:
-            if h in held:
-                held.discard(h)
-                mask = holders[h] & ~bit
-                if mask:
-                    holders[h] = mask
-                else:
-                    del holders[h]
+        gone = held.intersection(block_hashes)
+        held.difference_update(gone)
+        keep = ~bit
+        for h in gone:
+            mask = holders[h] & keep
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
 
     def clear(self, worker_id: str) -> None:
         """Every tier of the worker emptied."""
@@ -101,7 +108,9 @@ class BlockReplica:
         bit = self._bits.pop(worker_id, None)
         if bit is not None:
             del self._held[worker_id]
+            del self._by_bit[bit]
             self._free.append(bit)
+            self._version += 1
 
     def _bit(self, worker_id: str) -> int:
         bit = self._bits.get(worker_id)
@@ -111,60 +120,73 @@ class BlockReplica:
             else:
                 bit, self._next = 1 << self._next, self._next + 1
             self._bits[worker_id] = bit
+            self._by_bit[bit] = worker_id
             self._held[worker_id] = set()
+            self._version += 1
         return bit
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match(self, block_hashes: list[int], worker_ids: list[str],
-              search: str = "gallop") -> dict[str, int]:
-        """Leading matched blocks per worker id (0 for unknown workers).
+    def match(self, block_hashes: list[int], worker_ids: list[str], search: str = "gallop",
+              *, only_matched: bool = False) -> dict[str, int]:
+        """Leading matched blocks per worker id (0 for unknown workers; `only_matched`: the
+        workers with a match only, for a caller that reads the rest as 0).
 
         `exact` walks the prompt until every candidate has missed: O(longest match). `gallop`
         bisects all workers at once, O(distinct match lengths × log n): it assumes a worker's
         blocks of one chain form a prefix (what the workers' tail-first eviction keeps true),
         like the Redis script of the same name, and where one does not it may count wrongly,
         which costs a cache miss, never a wrong answer."""
+        matched = self._matched(block_hashes, worker_ids, search, self.holders.get)
+        if only_matched:
+            return matched
         out = dict.fromkeys(worker_ids, 0)
-        bits, candidates = self._candidates(worker_ids)
-        if not candidates or not block_hashes:
-            return out
-        counts = self._search(search, block_hashes, candidates, self.holders.get)
-        for w, bit in bits.items():
-            out[w] = counts.get(bit, 0)
+        out.update(matched)
         return out
 
-    def _candidates(self, worker_ids: list[str]) -> tuple[dict[str, int], int]:
-        """Each known worker's bit, and all of them OR-ed: the holders a search may report."""
-        bits = {w: self._bits[w] for w in worker_ids if w in self._bits}
-        candidates = 0
-        for bit in bits.values():
-            candidates |= bit
-        return bits, candidates
+    def _matched(self, block_hashes: list[int], worker_ids: list[str], search: str,
+                 get: Callable[[int, int], int]) -> dict[str, int]:
+        """The workers among `worker_ids` with a leading match, and its length: a search over
+        a thousand workers costs what their few holders cost, not a step per worker."""
+        candidates = self._candidates(worker_ids)
+        if not candidates or not block_hashes:
+            return {}
+        by_bit = self._by_bit
+        return {by_bit[bit]: n for bit, n in self._search(search, block_hashes, candidates,
+                                                           get).items()}
+
+    def _candidates(self, worker_ids: list[str]) -> int:
+        """The bits of the known workers among `worker_ids`, OR-ed: the holders a search may
+        report (remembered for the last list asked about: a router asks about its live set)."""
+        key = (self._version, tuple(worker_ids))
+        if key != self._last_candidates[0]:
+            mask = 0
+            for w in worker_ids:
+                mask |= self._bits.get(w, 0)
+            self._last_candidates = (key, mask)
+        return self._last_candidates[1]
 
     def match_by_medium(self, block_hashes: list[int], worker_ids: list[str],
-                        search: str = "gallop") -> dict[str, MatchByMedium]:
+                        search: str = "gallop", *,
+                        only_matched: bool = False) -> dict[str, MatchByMedium]:
         """Each worker's leading run held in any tier, split by the fastest tier holding each
-        block (router/tiered_match.py); `search` as for `match`. Workers without tiers cost what
-        `match` does; a worker with some costs a pass over its run besides."""
+        block (router/tiered_match.py); `search` and `only_matched` as for `match`. Workers
+        without tiers cost what `match` does; a worker with some costs a pass over its run
+        besides."""
+        out = {} if only_matched else dict.fromkeys(worker_ids, NO_MATCH)
         host, disk = (self._tier_holders[m] for m in LOWER_TIERS)
         if not host and not disk:
-            return {w: MatchByMedium(n) for w, n in self.match(block_hashes, worker_ids,
-                                                                 search).items()}
-        out = dict.fromkeys(worker_ids, MatchByMedium())
-        bits, candidates = self._candidates(worker_ids)
-        if not candidates or not block_hashes:
+            matched = self._matched(block_hashes, worker_ids, search, self.holders.get)
+            out.update((w, MatchByMedium(n)) for w, n in matched.items())
             return out
         device = self.holders
 
         def anywhere(h: int, default: int = 0) -> int:
             return device.get(h, 0) | host.get(h, 0) | disk.get(h, 0)
 
-        counts = self._search(search, block_hashes, candidates, anywhere)
-        for w, bit in bits.items():
-            n = counts.get(bit, 0)
-            if any(self._tier_held[m].get(w) for m in LOWER_TIERS):
-                tiers = self._tier_held
+        tiers = self._tier_held
+        for w, n in self._matched(block_hashes, worker_ids, search, anywhere).items():
+            if any(tiers[m].get(w) for m in LOWER_TIERS):
                 out[w] = split_run(block_hashes[:n], self._held[w], tiers["host"].get(w, ()),
                                    tiers["disk"].get(w, ()))
             else:
@@ -173,6 +195,7 @@ class BlockReplica:
 
     def _search(self, search: str, block_hashes: list[int], mask: int,
                 get: Callable[[int, int], int]) -> dict[int, int]:
+        """bit -> leading match of the workers in `mask` that have one (no zeros)."""
         if search == "exact":
             return self._exact(block_hashes, mask, get)
         if search == "gallop":
@@ -185,7 +208,8 @@ class BlockReplica:
         for i, h in enumerate(block_hashes):
             still = mask & get(h, 0)
             if still != mask:
-                _assign(counts, mask & ~still, i)
+                if i:  # (a worker without the first block has no match: left out)
+                    _assign(counts, mask & ~still, i)
                 mask = still
                 if not mask:
                     return counts
@@ -211,10 +235,12 @@ class BlockReplica:
                         lo = mid
                     else:
                         hi = mid
-                counts[diff] = lo + 1
+                if lo >= 0:  # (no match: left out)
+                    counts[diff] = lo + 1
                 continue
             if hi - lo == 1:
-                _assign(counts, diff, lo + 1)
+                if lo >= 0:
+                    _assign(counts, diff, lo + 1)
                 continue
             mid = (lo + hi) // 2
             m_mid = (get(block_hashes[mid], 0) & m_lo) | m_hi

@@ -115,6 +115,10 @@ class RouterSettings(BaseSettings):
     max_prefill_retries: int = Field(2, description="prefill attempts on other workers after a "
                                      "failure")
     retry_backoff_s: float = Field(0.05, description="pause before a retry")
+    kv_full_waits: int = Field(3, ge=0, description="when every decode worker refused a prompt's "
+                               "KV import for a full cache (503 out_of_kv_blocks): how many "
+                               "times to wait their Retry-After (at most 5 s) and try again "
+                               "before the client gets that 503")
     breaker_failures: int = Field(3, description="consecutive failures that open a worker's "
                                   "circuit breaker")
     breaker_cooldown_s: float = Field(5.0, description="how long an open breaker keeps a worker "
@@ -199,7 +203,60 @@ class RouterSettings(BaseSettings):
     local_prefill_stall_weight: float = Field(1.0, description="weight of the stall a local "
                                               "prefill costs the decode worker's running streams")
     near_tie_s: float = Field(0.002, description="plans predicted within this of the best count "
-                              "as ties (broken by load)")
+                              "as ties (broken by load, then by cache headroom)")
+    # Placement under cache pressure (router/eviction_cost.py): a plan is also charged for the
+    # prefix-cache blocks it pushes out where it lands.
+    eviction_weight: float = Field(0.5, ge=0, description="cost of each cached block a placement "
+                                   "evicts, as a share of recomputing it on that worker (the "
+                                   "chance it would be hit again); 0: placement ignores how full "
+                                   "each cache is")
+    placement_memory_s: float = Field(10.0, ge=0, le=60, description="the blocks this router "
+                                      "sent to a worker count against the cache headroom it "
+                                      "reported until a newer report shows them (reports come "
+                                      "a heartbeat apart, a third of its --heartbeat-ttl), for "
+                                      "at most this long; 0: not counted")
+    peer_pulls: bool = Field(True, description="let the worker that computes a prompt pull the "
+                             "leading blocks another worker holds (any role, any KV tier) when "
+                             "that is predicted faster than recomputing them (kv_aware)")
+    peer_pull_export_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="how long the router waits for a holder to pin and lease "
+        "a prefix for a peer pull before computing the prompt instead: the holder answers "
+        "between two engine steps, and a CPU worker's step with a long prefill takes seconds")
+    # The SLO planner (router/planner.py, docs/planner.md): each model's desired prefill and
+    # decode replicas on /metrics (tandem_planner_desired_replicas), for an autoscaler.
+    slo_ttft: float = Field(2.0, gt=0, description="time-to-first-token SLO (seconds) the SLO "
+                            "planner sizes the prefill pool for")
+    slo_itl: float = Field(0.1, gt=0, description="inter-token latency SLO (seconds, a "
+                           "request's mean) the SLO planner sizes the decode pool for")
+    slo_percentile: float = Field(95.0, gt=0, lt=100, description="share of requests (percent) "
+                                  "each SLO must hold for")
+    planner_interval_s: float = Field(10.0, ge=0, description="how often the SLO planner "
+                                      "decides; 0: off (no tandem_planner_* series)")
+    planner_min_prefill: int = Field(1, ge=0, description="fewest prefill replicas the planner "
+                                     "asks for")
+    planner_max_prefill: int = Field(16, ge=0, description="most prefill replicas the planner "
+                                     "asks for")
+    planner_min_decode: int = Field(1, ge=0, description="fewest decode replicas the planner "
+                                    "asks for")
+    planner_max_decode: int = Field(16, ge=0, description="most decode replicas the planner "
+                                    "asks for")
+    planner_max_step_up: int = Field(4, ge=1, description="replicas the planner adds to a pool "
+                                     "in one decision at most")
+    planner_max_step_down: int = Field(2, ge=1, description="replicas the planner removes from a "
+                                       "pool in one decision at most")
+    planner_cooldown_s: float = Field(120.0, ge=0, description="no scale-down sooner than this "
+                                      "after a scale-up, nor below the highest need of this "
+                                      "last window")
+    planner_startup_s: float = Field(60.0, ge=0, description="how long a new worker takes to "
+                                     "serve (model load, graph capture): the planner forecasts "
+                                     "this far ahead")
+    # Until the router has observed decode steps: a line from a benchmark of the hardware
+    # (these: SmolLM2-135M on 2 CPU cores, bench/engine.py).
+    planner_decode_step_base_s: float = Field(0.066, gt=0, description="decode step time at "
+                                              "batch 1 assumed until measured")
+    planner_decode_step_per_seq_s: float = Field(0.0064, ge=0, description="decode step time "
+                                                 "per extra running sequence assumed until "
+                                                 "measured")
 
     @property
     def model_folder_root(self) -> Path:

@@ -40,9 +40,10 @@ class TandemBackend(HTTPBackend):
     """Tandem workers' internal API."""
 
     async def prefill(self, w, request_id, prompt, sampling, tenant=None,
-                      num_uncached=None) -> PrefillResponse:
+                      num_uncached=None, prefix_kv=None) -> PrefillResponse:
         body = {"request_id": request_id, "prompt_token_ids": prompt,
-                "sampling": sampling.model_dump(mode="json"), **_tenant_fields(tenant)}
+                "sampling": sampling.model_dump(mode="json"), **_tenant_fields(tenant),
+                **_prefix_fields(prefix_kv)}
         raw = await post_json(self.http, w, "/prefill", self.headers, body,
                               self.prefill_timeout(prompt, num_uncached), raw_answer=True)
         return parse(w, PrefillResponse, raw)
@@ -57,11 +58,11 @@ class TandemBackend(HTTPBackend):
         except (aiohttp.ClientError, TimeoutError) as e:
             log.info("abort of %s on %s failed: %r", request_id, w.worker_id, e)
 
-    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, tenant=None
-                       ) -> AsyncIterator[StreamEvent]:
+    async def generate(self, w, request_id, prompt, sent, sampling, kv_params, tenant=None,
+                       prefix_kv=None) -> AsyncIterator[StreamEvent]:
         body = {"request_id": request_id, "prompt_token_ids": prompt,
                 "output_token_ids": list(sent), "sampling": sampling.model_dump(mode="json"),
-                **_tenant_fields(tenant)}
+                **_tenant_fields(tenant), **_prefix_fields(prefix_kv)}
         if kv_params is not None:
             # Opaque to the router: exactly the fields the prefill worker signed.
             body["kv_transfer_params"] = kv_params.model_dump(mode="json", exclude_unset=True,
@@ -100,6 +101,14 @@ def _tenant_fields(tenant) -> dict:
         return {}
     return {k: v for k, v in (("client_tag", tenant.client_tag),
                               ("cache_salt", tenant.cache_salt)) if v is not None}
+
+
+def _prefix_fields(prefix_kv) -> dict:
+    """A peer's prefix handle (router/peer_pull.py), exactly as its holder signed it."""
+    if prefix_kv is None:
+        return {}
+    return {"prefix_kv_params": prefix_kv.model_dump(mode="json", exclude_unset=True,
+                                                     warnings=False)}
 
 
 async def _next_line(w, content) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from itertools import filterfalse
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +35,11 @@ def split_run(run: list[int], device: Container[int], host: Container[int],
               disk: Container[int]) -> MatchByMedium:
     """A leading run split by the fastest tier holding each block; a block no tier holds (a
     galloping search may count one, router/replica.py) is left out."""
-    on_device = sum(map(device.__contains__, run))
-    on_host = on_disk = 0
-    for h in run:
-        if h in device:
-            continue
-        if h in host:
-            on_host += 1
-        elif h in disk:
-            on_disk += 1
-    return MatchByMedium(on_device, on_host, on_disk)
+    # Each pass a C-level map or filter: a 100k-token run is thousands of blocks per worker.
+    below = list(filterfalse(device.__contains__, run))
+    on_host = sum(map(host.__contains__, below))
+    on_disk = sum(map(disk.__contains__, filterfalse(host.__contains__, below)))
+    return MatchByMedium(len(run) - len(below), on_host, on_disk)
 
 
 def leading_by_medium(block_hashes: list[int], held: Mapping[str, Container[int]]

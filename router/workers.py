@@ -138,7 +138,7 @@ class WorkerDirectory:
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
             w.vocab_size = reg.vocab_size
-            w.load = reg.load.model_dump()
+            w.report(reg.load.model_dump())  # settles what this router sent there before
             w.events = reg.events
         if time.monotonic() >= self._grace_until:
             for wid in [w for w, info in self.workers.items() if not info.static and w not in seen]:

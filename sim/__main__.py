@@ -17,7 +17,16 @@ The fleet sweep (1,024 workers, 100k-token agentic contexts on an assumed H200 p
 With `--tiers off,host,host+disk,unbounded` each row runs once per KV-tier setting (capacities
 and reload rates from the profile; unbounded: a device cache without bound, the ceiling), with
 the hit ratio by tier and the prompt tokens recomputed; bench/sim_tiers.py is the agentic
-sweep (sessions scaled with the fleet: --sessions-per-worker).
+sweep (sessions scaled with the fleet: --sessions-per-worker). Fleets too large to simulate
+exactly run coarse: `--block-tokens N` (the cache in blocks of N tokens) and `--route-candidates
+K` (the policy sees the workers with a match and K others of each role), sim/coarsening.py.
+`autoscale` replays one trace (ramp, burst or diurnal: sim/traces.py) with the fleet scaled by
+the SLO planner (router/planner.py, its real code), by a static fleet sized for the peak and for
+the mean, and by queue depth (HPA/KEDA); it prints one JSON whose `policies` list has each one's
+attainment, worker-hours, requests and scale events (sim/autoscale.py):
+
+    python -m sim autoscale --profile-file sim/profiles/h200-llama3-8b.json --trace burst \
+        --seed 0 --slo-ttft 2 --slo-itl 0.06 --out sim_autoscale_burst.json
 `validate` replays bench/policies.py's workload (same seed, the tiny-random tokenizer's lengths,
 2 prefill + 1 decode, as many sessions in flight) at the tiny-cpu profile (or one given with
 --profile-file) and compares with the real run. JSON: bench/results/sim_validate.json.
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -34,7 +44,7 @@ from pathlib import Path
 from sim.fleet_cache import TIERS
 from sim.profile import calibrated, load
 from sim.simulator import Cluster, SimRequest
-from sim.workload import Driver, SimSession, from_chat, multi_turn
+from sim.workload import Driver, LazySessions, SimSession, from_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("kv_aware", "round_robin", "random")
@@ -71,14 +81,19 @@ def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float,
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "itl_s": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
         "goodput_rps": len(good) / span if span else 0.0,
+        # the share of requests within the SLO (goodput's ratio to the whole run's span swings
+        # with the one session that ends last)
+        "slo_attainment": len(good) / len(done) if done else 0.0,
         "throughput_rps": len(done) / span if span else 0.0, "plans": dict(cluster.plans),
     }
 
 
 def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: list[SimSession], *,
              rate: float | None = None, concurrency: int | None = None, slo=(1.0, 0.1),
-             tiers: str = "off") -> dict:
-    cluster = Cluster(profile, num_prefill, num_decode, policy, tiers=tiers)
+             tiers: str = "off", block_tokens: int | None = None,
+             route_candidates: int | None = None) -> dict:
+    cluster = Cluster(profile, num_prefill, num_decode, policy, tiers=tiers,
+                      block_tokens=block_tokens, route_candidates=route_candidates)
     # Only the prompts' lengths are summarized: let each go once done (30k-token contexts).
     driver = Driver(cluster, sessions, rate=rate, concurrency=concurrency, keep_prompts=False)
     cluster.clock.run()
@@ -92,12 +107,12 @@ def sweep(args) -> dict:
     for size in args.sizes:
         num_sessions = (round(args.sessions_per_worker * size) if args.sessions_per_worker
                         else args.sessions)
-        if made_for != num_sessions:
-            sessions = None  # free the last size's before drawing the next
-            sessions = multi_turn(num_sessions, turns=args.turns, seed=args.seed,
-                                  system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                                  answer_tokens=args.answer_tokens, think_s=args.think_s,
-                                  shared_prefixes=args.shared_prefixes)
+        if made_for != num_sessions:  # drawn as each run starts them, never all at once
+            sessions = LazySessions(num_sessions, turns=args.turns, seed=args.seed,
+                                    system_tokens=args.system_tokens,
+                                    user_tokens=args.user_tokens,
+                                    answer_tokens=args.answer_tokens, think_s=args.think_s,
+                                    shared_prefixes=args.shared_prefixes)
             made_for = num_sessions
         for ratio in args.ratios:
             p_share, d_share = (int(x) for x in ratio.split(":"))
@@ -106,12 +121,16 @@ def sweep(args) -> dict:
             rate = args.sessions_per_s_per_worker * size
             for policy in args.policies:
                 for tiers in args.tiers:
-                    t0 = time.perf_counter()
+                    t0, cpu0 = time.perf_counter(), time.process_time()
                     s = simulate(profile, num_p, num_d, policy, sessions, rate=rate,
-                                 slo=(args.slo_ttft, args.slo_itl), tiers=tiers)
+                                 slo=(args.slo_ttft, args.slo_itl), tiers=tiers,
+                                 block_tokens=args.block_tokens,
+                                 route_candidates=args.route_candidates)
                     row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
                            "tiers": tiers, "sessions": num_sessions, "session_rate": rate, **s,
-                           "sim_wall_s": time.perf_counter() - t0}
+                           "sim_wall_s": time.perf_counter() - t0,
+                           "sim_cpu_s": time.process_time() - cpu0,
+                           "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
                     rows.append(row)
                     print(json.dumps({k: row[k] for k in SHOWN}), file=sys.stderr, flush=True)
     return {"profile": profile.to_json(), "sessions": args.sessions,
@@ -120,11 +139,12 @@ def sweep(args) -> dict:
             "answer_tokens": args.answer_tokens, "think_s": args.think_s,
             "sessions_per_s_per_worker": args.sessions_per_s_per_worker,
             "shared_prefixes": args.shared_prefixes,
+            "block_tokens": args.block_tokens, "route_candidates": args.route_candidates,
             "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
 
 
 SHOWN = ("workers", "prefill", "decode", "policy", "tiers", "hit_ratio", "hit_ratio_by_tier",
-         "prompt_tokens_recomputed", "ttft_s", "itl_s", "goodput_rps", "sim_wall_s")
+         "prompt_tokens_recomputed", "ttft_s", "itl_s", "goodput_rps", "sim_wall_s", "sim_cpu_s")
 
 
 def cmd_sweep(args) -> int:
@@ -168,6 +188,15 @@ def cmd_validate(args) -> int:
         out["policies"][policy] = {k: _versus(a, b) for k, (a, b) in cmp.items()}
     _write(args.out, out)
     print(json.dumps(out["policies"], indent=2))
+    return 0
+
+
+def cmd_autoscale(args) -> int:
+    from sim.autoscale import autoscale
+
+    out = autoscale(args)
+    _write(args.out, out)
+    print(json.dumps(out, indent=2))
     return 0
 
 
@@ -220,8 +249,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "the ceiling); capacities and reload rates from the profile")
     sw.add_argument("--sessions-per-worker", type=float, default=None,
                     help="scale the sessions with the cluster (instead of --sessions)")
+    sw.add_argument("--block-tokens", type=int, default=None,
+                    help="simulate the KV cache in blocks of this many tokens (a multiple of the "
+                         "profile's), capacities and per-block costs scaled: sim/coarsening.py")
+    sw.add_argument("--route-candidates", type=int, default=None,
+                    help="the policy chooses among the workers holding a match and this many "
+                         "others of each role drawn at random: sim/coarsening.py")
     sw.add_argument("--out", default="sim_sweep.json", help="file name under bench/results/")
     sw.set_defaults(func=cmd_sweep)
+    from sim.autoscale import add_flags
+
+    add_flags(sub.add_parser("autoscale", help="the SLO planner against static fleets and "
+                                               "queue depth over one trace"))
+    sub.choices["autoscale"].set_defaults(func=cmd_autoscale)
     va = sub.add_parser("validate", help="compare with the real bench/policies.py run")
     va.add_argument("--profile-file", default=None,
                     help="a JSON cost profile instead of the built-in tiny-cpu one")

@@ -13,7 +13,9 @@ the moves: a `stored` in the lower tier, then a `removed` in the upper one. A bl
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
+from itertools import compress, islice, repeat, takewhile
+from operator import eq
 
 from router.replica import BlockReplica
 from router.tiered_match import MatchByMedium
@@ -23,6 +25,61 @@ from router.tiered_match import MatchByMedium
 TIERS = ("off", "host", "host+disk", "unbounded")
 
 
+class StoreOrder:
+    """One worker's blocks in one tier, least recently stored first (what its pool evicts
+    first), at a dictionary entry a block: each hash maps to the stamp of the last batch that
+    stored it, and the batches wait in a queue; evicting walks the oldest batch, skipping the
+    hashes stored again since (or gone). The order is an ordered dict's with every stored hash
+    moved to the end, for batches without repeats (a chain's)."""
+
+    __slots__ = ("last", "_batches", "_at", "_stamp")
+
+    def __init__(self, bounded: bool = True) -> None:
+        """`bounded=False`: nothing is ever evicted here, so no order is kept."""
+        self.last: dict[int, int] = {}  # block hash -> the stamp of the batch that stored it
+        # (stamp, its hashes), oldest first
+        self._batches: deque[tuple[int, list[int]]] | None = deque() if bounded else None
+        self._at = 0  # how far the oldest batch has been walked
+        self._stamp = 0
+
+    def __len__(self) -> int:
+        return len(self.last)
+
+    def store(self, block_hashes: list[int]) -> None:
+        """Each hash becomes the most recently stored, in turn (the list is kept: not to be
+        changed after)."""
+        self._stamp += 1
+        self.last.update(dict.fromkeys(block_hashes, self._stamp))
+        if self._batches is not None:
+            self._batches.append((self._stamp, block_hashes))
+
+    def pop_oldest(self, n: int) -> list[int]:
+        """The `n` least recently stored, oldest first, taken out."""
+        out: list[int] = []
+        last, batches = self.last, self._batches
+        while len(out) < n:
+            stamp, hashes = batches[0]
+            # The next hashes of the oldest batch, less those stored again since or gone (in
+            # C: map, compress and deque, not a Python loop over thousands of blocks).
+            chunk = hashes[self._at:self._at + n - len(out)]
+            stamps = list(map(last.get, chunk))
+            if stamps.count(stamp) != len(chunk):
+                chunk = list(compress(chunk, map(eq, stamps, repeat(stamp))))
+            deque(map(last.__delitem__, chunk), maxlen=0)
+            out += chunk
+            self._at += len(stamps)
+            if self._at >= len(hashes):
+                batches.popleft()
+                self._at = 0
+        return out
+
+    def discard(self, block_hashes: list[int]) -> list[int]:
+        """Takes out those of `block_hashes` held here; returns them (in no order)."""
+        gone = list(self.last.keys() & block_hashes)
+        deque(map(self.last.__delitem__, gone), maxlen=0)
+        return gone
+
+
 class FleetCache:
     def __init__(self, capacity_blocks: int | None, host_blocks: int = 0,
                  disk_blocks: int = 0) -> None:
@@ -30,9 +87,9 @@ class FleetCache:
         `disk_blocks` its lower tiers' (0: no such tier)."""
         self.capacity = capacity_blocks
         self.replica = BlockReplica()
-        self._order: dict[str, OrderedDict[int, None]] = {}
         self.lower = tuple((m, n) for m, n in (("host", host_blocks), ("disk", disk_blocks)) if n)
-        self._lower_order: dict[str, dict[str, OrderedDict[int, None]]] = {}
+        # worker id -> medium -> its blocks there, in store order (device first)
+        self._tiers: dict[str, dict[str, StoreOrder]] = {}
 
     @classmethod
     def for_tiers(cls, tiers: str, num_blocks: int, host_blocks: int,
@@ -52,74 +109,87 @@ class FleetCache:
     def tiered(self) -> bool:
         return bool(self.lower)
 
+    def _orders(self, worker_id: str) -> dict[str, StoreOrder]:
+        orders = self._tiers.get(worker_id)
+        if orders is None:
+            orders = {"device": StoreOrder(bounded=self.capacity is not None)}
+            orders.update((m, StoreOrder()) for m, _ in self.lower)
+            self._tiers[worker_id] = orders
+        return orders
+
     def num_blocks(self, worker_id: str, medium: str = "device") -> int:
         """Blocks the worker holds in tier `medium` now."""
-        if medium == "device":
-            return len(self._order.get(worker_id, ()))
-        return len(self._lower_order.get(worker_id, {}).get(medium, ()))
+        order = self._tiers.get(worker_id, {}).get(medium)
+        return len(order) if order is not None else 0
 
     def record(self, worker_id: str, block_hashes: list[int]) -> int:
         """The worker stored these blocks on its device (most recent last); returns how many
         blocks that pushed down into its host tier (offloads)."""
-        order = self._order.setdefault(worker_id, OrderedDict())
+        orders = self._orders(worker_id)
         if self.tiered:
-            self._promote(worker_id, block_hashes)
-        _touch(order, block_hashes)
+            self._promote(worker_id, orders, block_hashes)
+        device = orders["device"]
+        device.store(block_hashes)
         self.replica.add(worker_id, block_hashes)
-        excess = len(order) - self.capacity if self.capacity is not None else 0
+        excess = len(device) - self.capacity if self.capacity is not None else 0
         if excess <= 0:
             return 0
-        evicted = [order.popitem(last=False)[0] for _ in range(excess)]
-        offloaded = self._demote(worker_id, evicted, 0) if self.tiered else 0
+        evicted = device.pop_oldest(excess)
+        offloaded = self._demote(worker_id, orders, evicted, 0) if self.tiered else 0
         self.replica.remove(worker_id, evicted)
         return offloaded
 
-    def _promote(self, worker_id: str, block_hashes: list[int]) -> None:
-        for medium, order in self._lower_order.get(worker_id, {}).items():
-            back = [h for h in block_hashes if h in order]
-            for h in back:
-                del order[h]
+    def _promote(self, worker_id: str, orders: dict[str, StoreOrder],
+                 block_hashes: list[int]) -> None:
+        for medium, _ in self.lower:
+            order = orders[medium]
+            back = order.discard(block_hashes) if len(order) else None
             if back:
                 self.replica.remove(worker_id, back, medium)
 
-    def _demote(self, worker_id: str, block_hashes: list[int], level: int) -> int:
+    def _demote(self, worker_id: str, orders: dict[str, StoreOrder], block_hashes: list[int],
+                level: int) -> int:
         """`block_hashes` leave the tier above `self.lower[level]` into it; what overflows it
         goes down the next (the last one drops it). Returns how many it took in."""
         if level >= len(self.lower):
             return 0
         medium, capacity = self.lower[level]
-        order = self._lower_order.setdefault(worker_id, {}).setdefault(medium, OrderedDict())
-        _touch(order, block_hashes)
+        order = orders[medium]
+        order.store(block_hashes)
         self.replica.add(worker_id, block_hashes, medium)
         excess = len(order) - capacity
         if excess > 0:
-            evicted = [order.popitem(last=False)[0] for _ in range(excess)]
-            self._demote(worker_id, evicted, level + 1)
+            evicted = order.pop_oldest(excess)
+            self._demote(worker_id, orders, evicted, level + 1)
             self.replica.remove(worker_id, evicted, medium)
         return len(block_hashes)
 
-    def match(self, block_hashes: list[int], worker_ids: list[str],
-              search: str = "gallop") -> dict[str, int]:
+    def match(self, block_hashes: list[int], worker_ids: list[str], search: str = "gallop",
+              *, only_matched: bool = False) -> dict[str, int]:
         """The router's view (gallop, as it routes); `exact` for what a worker really holds."""
-        return self.replica.match(block_hashes, worker_ids, search)
+        return self.replica.match(block_hashes, worker_ids, search, only_matched=only_matched)
 
     def match_by_medium(self, block_hashes: list[int], worker_ids: list[str],
-                        search: str = "gallop") -> dict[str, MatchByMedium]:
+                        search: str = "gallop", *,
+                        only_matched: bool = False) -> dict[str, MatchByMedium]:
         """Each worker's leading run in any tier, split by tier (router/tiered_match.py)."""
-        return self.replica.match_by_medium(block_hashes, worker_ids, search)
+        return self.replica.match_by_medium(block_hashes, worker_ids, search,
+                                            only_matched=only_matched)
 
     def held(self, worker_id: str, block_hashes: list[int]) -> MatchByMedium:
-        """What `worker_id` really holds of the prompt's leading blocks, by tier."""
-        if not self.tiered:
-            return MatchByMedium(self.match(block_hashes, [worker_id], "exact")[worker_id])
-        return self.match_by_medium(block_hashes, [worker_id], "exact")[worker_id]
-
-
-def _touch(order: OrderedDict[int, None], block_hashes: list[int]) -> None:
-    """Each hash becomes the most recently stored, in turn."""
-    move = order.move_to_end
-    for h in block_hashes:
-        if h in order:
-            move(h)
-        else:
-            order[h] = None
+        """What `worker_id` really holds of the prompt's leading blocks, by tier: the replica's
+        exact search, read off the worker's own tiers run by run (a block is in one tier)."""
+        orders = self._tiers.get(worker_id)
+        if orders is None:
+            return MatchByMedium()
+        tiers = [orders[m].last if m in orders else {} for m in ("device", "host", "disk")]
+        counts, i = [0, 0, 0], 0
+        while i < len(block_hashes):
+            h = block_hashes[i]
+            at = next((t for t, tier in enumerate(tiers) if h in tier), None)
+            if at is None:
+                break
+            run = len(list(takewhile(tiers[at].__contains__, islice(block_hashes, i, None))))
+            counts[at] += run
+            i += run
+        return MatchByMedium(*counts)

@@ -64,6 +64,9 @@ class CostProfile:
     host_reload_bytes_per_s: float = 50e9  # host -> GPU over PCIe Gen5, effective
     disk_reload_bytes_per_s: float = 5e9  # a local NVMe drive
     offload_s_per_block: float = 0.0
+    # From a new worker's start to its first request (model load plus graph capture; tens of
+    # seconds on GPUs): what scaling up waits for (`python -m sim autoscale`).
+    startup_s: float = 0.0
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)

@@ -30,9 +30,14 @@ class SimRequest:
     cached_media: MatchByMedium | None = None
     # What the router's plan counted as cached on that worker, by tier (router/policy.py).
     planned_media: MatchByMedium | None = None
+    planned_cached_blocks: int = 0  # what the plan counted as cached, all tiers
     reload_s: float = 0.0  # what reloading the lower tiers' blocks cost before its prefill
-    num_prompt_tokens: int = -1  # len(prompt), kept where a driver lets the prompt go once done
+    # `prompt` holds the prompt from this token on: those before it are full blocks that
+    # `prefix_hashes` covers, which a driver that keeps no long history leaves out.
+    prompt_start: int = 0
+    # The prompt's length (prompt_start + len(prompt)): kept where a driver lets it go once done.
+    num_prompt_tokens: int = -1
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
-            self.num_prompt_tokens = len(self.prompt)
+            self.num_prompt_tokens = self.prompt_start + len(self.prompt)

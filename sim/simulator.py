@@ -36,6 +36,7 @@ from router.dispatch import learn_bandwidth, learn_prefill_rate
 from router.policy import make_policy, plan_for
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
+from sim.coarsening import CandidateSample, coarsen
 from sim.fleet_cache import FleetCache
 from sim.host import Clock, Host, Thread
 from sim.profile import CostProfile
@@ -55,12 +56,23 @@ class Cluster:
 
     def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int,
                  policy: str = "kv_aware", num_colocated: int = 0,
-                 settings: RouterSettings | None = None, tiers: str = "off") -> None:
+                 settings: RouterSettings | None = None, tiers: str = "off",
+                 block_tokens: int | None = None, route_candidates: int | None = None) -> None:
+        """`block_tokens`, `route_candidates`: the explicit coarsenings of sim/coarsening.py
+        (None: exact)."""
+        # The router's hashing and lookup are priced at the profile's own block size, whatever
+        # size the cache is simulated at.
+        self._lookup_profile = profile
+        if block_tokens is not None:
+            profile = coarsen(profile, block_tokens)
+        self._sample = CandidateSample(route_candidates) if route_candidates else None
+        self._fleet: tuple = ()  # the workers `_live` last listed
         self.profile = profile
         self.clock = Clock()
+        # Simulated workers pull no prefix from a peer: the policy must not plan such pulls.
         self.settings = settings or RouterSettings(block_size=profile.block_size,
                                                    bytes_per_block=profile.block_bytes,
-                                                   policy_seed=0)
+                                                   policy_seed=0, peer_pulls=False)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
         self.index = FleetCache.for_tiers(tiers, profile.num_blocks, profile.host_blocks,
@@ -97,20 +109,23 @@ class Cluster:
         else:
             self.clock.after(0.0, fn, *args)
 
-    def continue_hashes(self, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """The chain of `token_ids`' full blocks, given `hashes`, those of its leading full blocks
-        (already computed: the same numbers as hashing it all, for a fraction of the work)."""
+    def continue_hashes(self, hashes: list[int], token_ids: list[int],
+                        start: int = 0) -> list[int]:
+        """The chain of a sequence's full blocks, given `hashes`, those of its leading full
+        blocks (already computed: the same numbers as hashing it all, for a fraction of the
+        work), and `token_ids`, the sequence from token `start` on (at most where `hashes`
+        end: a driver need not keep what they cover)."""
         if not hashes:
             return self.hasher(token_ids)
-        rest = token_ids[len(hashes) * self.profile.block_size:]
+        rest = token_ids[len(hashes) * self.profile.block_size - start:]
         return hashes + self.hasher(rest, parent_hash=hashes[-1])
 
     def submit(self, req: SimRequest) -> None:
         self.clock.at(req.arrival, self._route, req)
 
     def _route(self, req: SimRequest) -> None:
-        p = self.profile
-        num_blocks = len(req.prompt) // p.block_size
+        p = self._lookup_profile
+        num_blocks = req.num_prompt_tokens // p.block_size
         cost = p.router_cpu_s + p.lookup_s(num_blocks, len(self.workers))
         self.compute(cost, self._routed, req, thread=self.router_thread)
 
@@ -135,19 +150,32 @@ class Cluster:
         return {"router": self.router_thread, "client": self.client_thread,
                 **{w.info.worker_id: w.thread for w in self.workers}}
 
+    def _live(self) -> tuple[list[WorkerInfo], list[str]]:
+        """The live workers' infos and ids, in order (again only when the fleet changed)."""
+        fleet = tuple(self.workers)
+        if fleet != self._fleet:
+            infos = [w.info for w in fleet]
+            self._fleet, self._fleet_live = fleet, (infos, [w.worker_id for w in infos])
+        return list(self._fleet_live[0]), self._fleet_live[1]
+
     def _routed(self, req: SimRequest) -> None:
-        req.hashes, req.prefix_hashes = self.continue_hashes(req.prefix_hashes, req.prompt), []
-        live = [w.info for w in self.workers]
-        ids = [w.worker_id for w in live]
+        req.hashes = self.continue_hashes(req.prefix_hashes, req.prompt, req.prompt_start)
+        req.prefix_hashes = []
+        live, ids = self._live()
+        # Only the workers with a match: the policy reads a worker left out as holding nothing
+        # (a thousand-worker fleet's zeros cost a dictionary entry each, a request).
         media = None
         if self.index.tiered:  # the policy prices each tier's hits (router/reload_cost.py)
-            media = self.index.match_by_medium(req.hashes, ids)
+            media = self.index.match_by_medium(req.hashes, ids, only_matched=True)
             matches = {w: m.total for w, m in media.items()}
         else:
-            matches = self.index.match(req.hashes, ids)
-        plan = plan_for(self.policy, len(req.prompt), matches, live, len(req.hashes),
+            matches = self.index.match(req.hashes, ids, only_matched=True)
+        if self._sample is not None:
+            live = self._sample(live, matches)
+        plan = plan_for(self.policy, req.num_prompt_tokens, matches, live, len(req.hashes),
                         self.profile.block_size, media)
         req.plan, req.planned_media = plan.kind, plan.cached_media
+        req.planned_cached_blocks = plan.cached_blocks
         self.plans[plan.kind] = self.plans.get(plan.kind, 0) + 1
         d = self.by_id[plan.decode.worker_id]
         d.info.inflight += 1
@@ -156,7 +184,7 @@ class Cluster:
             self.compute(hop, d.prefill_locally, req, thread=self.router_thread)
             return
         p = self.by_id[plan.prefill.worker_id]
-        uncached = len(req.prompt) - plan.cached_blocks * self.profile.block_size
+        uncached = req.num_prompt_tokens - plan.cached_blocks * self.profile.block_size
         p.info.inflight += 1
         p.info.inflight_tokens += uncached
         sent = self.clock.now
@@ -164,7 +192,8 @@ class Cluster:
         def prefilled(r: SimRequest, cached_tokens: int) -> None:
             p.info.inflight -= 1
             p.info.inflight_tokens -= uncached
-            learn_prefill_rate(p.info, len(r.prompt) - cached_tokens, self.clock.now + hop - sent)
+            learn_prefill_rate(p.info, r.num_prompt_tokens - cached_tokens,
+                               self.clock.now + hop - sent)
             r.num_cached_tokens = cached_tokens
             r.token_times.append(self.clock.now)
             # the router reads the answer
@@ -178,7 +207,8 @@ class Cluster:
                 return
             self.deliver(1)
             held = d.cached(r.hashes)
-            missing = len(r.hashes) - held.total + (len(r.prompt) % self.profile.block_size > 0)
+            bs = self.profile.block_size
+            missing = len(r.hashes) - held.total + (r.num_prompt_tokens % bs > 0)
             t = self.profile.transfer_s(missing)
             learn_bandwidth(d.info, RequestTiming(transfer_bytes=missing * self.profile.block_bytes,
                                                   transfer_s=t))

@@ -52,15 +52,24 @@ class SimWorker:
         # What a worker with tiers reports in its load, as a real one measures it (the profile's).
         self._reload_rates = {m: self.p.reload_tokens_per_s(m) for m, _ in cluster.index.lower}
         self._offload_debt_s = 0.0  # offload work not yet charged to a step (0 off the step)
+        self._stored = 0  # record() calls so far
+        # (running, queued, stored) when the last step published, and that report
+        self._stepped_as: tuple | None = None
+        self._stepped_load: dict | None = None
 
     # -- what the heartbeat would publish --------------------------------------------------
     def publish(self) -> None:
         self.info.load = {"running": len(self.running) + len(self.joining),
                           "waiting": len(self.queue) + len(self.local),
-                          "waiting_tokens": sum(len(r.prompt) for r, _ in self.queue)
-                          + sum(len(r.prompt) for r in self.local)}
+                          "waiting_tokens": sum(r.num_prompt_tokens for r, _ in self.queue)
+                          + sum(r.num_prompt_tokens for r in self.local)}
         if self._reload_rates:
             self.info.load["reload_tokens_per_s"] = dict(self._reload_rates)
+        # Its cache headroom: every block it holds is evictable here (a device without bound
+        # reports 2^40 blocks: never full, and still the emptier of two ties).
+        capacity = self.c.index.capacity if self.c.index.capacity is not None else 1 << 40
+        held = min(self.c.index.num_blocks(self.info.worker_id), capacity)
+        self.info.load.update(num_blocks=capacity, free_blocks=capacity, evictable_blocks=held)
 
     def cached(self, hashes: list[int]) -> MatchByMedium:
         """The prompt's leading blocks this worker holds, by tier."""
@@ -71,6 +80,7 @@ class SimWorker:
 
     def record(self, hashes: list[int]) -> None:
         """These blocks are on the device now (computed, reloaded or imported)."""
+        self._stored += 1
         offloaded = self.c.index.record(self.info.worker_id, hashes)
         self._offload_debt_s += offloaded * self.p.offload_s_per_block
 
@@ -85,7 +95,7 @@ class SimWorker:
         req.cached_media = held
         req.num_cached_tokens = held.total * self.p.block_size
         req.reload_s = self.p.reload_s(held.host, held.disk)
-        return len(req.prompt) - req.num_cached_tokens
+        return req.num_prompt_tokens - req.num_cached_tokens
 
     # -- prefill role ------------------------------------------------------------------------
     def submit_prefill(self, req: SimRequest,
@@ -141,10 +151,15 @@ class SimWorker:
             self.publish()
             return
         dt = self.p.decode_step_s(len(self.running)) if self.running else 0.0
-        dt += sum(r.reload_s + self.p.prefill_s(len(r.prompt) - r.num_cached_tokens, local=True)
+        dt += sum(r.reload_s
+                  + self.p.prefill_s(r.num_prompt_tokens - r.num_cached_tokens, local=True)
                   for r in local)
         dt += self._offload_s()
-        self.publish()
+        # (a step like the last one, nothing stored since: the same report, not made again)
+        state = (len(self.running), len(self.queue), self._stored)
+        if local or state != self._stepped_as or self.info.load is not self._stepped_load:
+            self.publish()
+            self._stepped_as, self._stepped_load = state, self.info.load
         self.c.compute(dt, self._stepped, local, thread=self.thread)
 
     def _stepped(self, local: list[SimRequest]) -> None:
@@ -162,14 +177,15 @@ class SimWorker:
         hop = self.p.router_hop_s
         for r in finished:
             # The decode side caches the whole sequence's full blocks: the next turn's prefix.
-            r.sequence_hashes = self.c.continue_hashes(r.hashes, r.prompt + r.answer)
+            r.sequence_hashes = self.c.continue_hashes(r.hashes, r.prompt + r.answer,
+                                                       r.prompt_start)
             self.record(r.sequence_hashes)
             self.info.inflight -= 1
             self.c.clock.after(hop, self.c.deliver, 1, self._done, r)
             # its own work for the request besides the steps, before the next
             if self.thread is not None:
                 self.c.compute(self.p.decode_io_cpu_s, _nothing, thread=self.thread)
-        if still:
+        if still and self.c.host is not None:  # (without a shared host, relaying costs nothing)
             self.c.clock.after(hop, self.c.deliver, len(still))
         self._step()
 

@@ -133,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
                        default=name == "demo", help="name the workers in each answer's `tandem` "
                        "field (on for demo)")
         p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+        if name == "up":
+            p.add_argument("--autoscale", action="store_true", help="follow the router's SLO "
+                           "planner (docs/planner.md): start workers and drain them within the "
+                           "bounds below (needs Redis)")
+            for pool in ("prefill", "decode"):
+                p.add_argument(f"--min-{pool}", type=int, default=1, help=f"with --autoscale: "
+                               f"fewest {pool} workers")
+                p.add_argument(f"--max-{pool}", type=int, default=4, help=f"with --autoscale: "
+                               f"most {pool} workers")
         if name == "demo":
             p.add_argument("--keep", action="store_true",
                            help="keep the cluster running afterwards")

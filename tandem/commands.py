@@ -210,6 +210,14 @@ def _cluster(args: argparse.Namespace):
         router_args += ["--chat-template", str(Path(args.chat_template).resolve())]
     if args.expose_worker_ids:
         router_args.append("--expose-worker-ids")
+    if getattr(args, "autoscale", False):  # `tandem up` only
+        if args.no_redis:
+            raise SystemExit("[tandem] --autoscale needs Redis: workers started later register "
+                             "there")
+        # The planner's bounds are the launcher's; local workers start in seconds.
+        router_args += [f"--planner-{b}-{pool}={getattr(args, f'{b}_{pool}')}"
+                        for pool in ("prefill", "decode") for b in ("min", "max")]
+        router_args.append("--planner-startup-s=20")
     return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
                    num_prefill=args.prefill, num_decode=args.decode,
                    redis_url=None if args.no_redis else args.redis_url,
@@ -231,9 +239,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:
-        cluster.up()
+        url = cluster.up()
         print("[tandem] press Ctrl-C to stop", flush=True)
-        name = cluster.supervise()
+        tick = None
+        if args.autoscale:
+            from tandem.autoscaler import LocalAutoscaler, read_router
+
+            bounds = {pool: (getattr(args, f"min_{pool}"), getattr(args, f"max_{pool}"))
+                      for pool in ("prefill", "decode")}
+            tick = LocalAutoscaler(cluster, bounds, read_router(url)).tick
+        name = cluster.supervise(tick=tick)
         print(f"[tandem] {name} exited; shutting down", flush=True)
         return 1
     except KeyboardInterrupt:

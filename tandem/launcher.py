@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,9 @@ class Cluster:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     specs: dict[str, list[str]] = field(default_factory=dict)  # name -> CLI args, for restarts
     restarts: dict[str, int] = field(default_factory=dict)
+    retiring: set[str] = field(default_factory=set)  # workers draining on purpose
+    _next: dict[str, int] = field(default_factory=dict)  # each role's next worker index
+    _worker_common: list[str] = field(default_factory=list)  # every worker's arguments
 
     def _spawn(self, name: str, args: list[str],
                env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -144,15 +148,13 @@ class Cluster:
         cluster_flag = ["--redis-cluster"] if self.redis_cluster else []
         if redis_url:
             common += ["--redis-url", redis_url, "--namespace", self.namespace, *cluster_flag]
+        self._worker_common = common
         workers = []
         for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
-            for i in range(n):
-                port = _free_port()
-                tier = (["--disk-kv-dir", str(self.disk_kv_dir / f"{role}-{i}")]
-                        if self.disk_kv_dir is not None else [])
-                self._spawn(f"{role}-{i}", [role, *common, *tier, "--port", str(port)])
-                workers.append((f"{role}-{i}", f"http://127.0.0.1:{port}"))
-                static.append(f"{role}=http://127.0.0.1:{port}")
+            for _ in range(n):
+                name, url = self.add_worker(role)
+                workers.append((name, url))
+                static.append(f"{role}={url}")
         for name, url in workers:
             self._wait(f"{url}/ready", name, 300)
             _say(f"{name} ready at {url}")
@@ -174,6 +176,32 @@ class Cluster:
         _say(f"router ready at {url}/v1 (logs in {self.log_dir}/)")
         return url
 
+    def add_worker(self, role: str) -> tuple[str, str]:
+        """Start one more `role` worker (it registers in Redis once ready); (name, url)."""
+        i = self._next.get(role, 0)
+        self._next[role] = i + 1
+        port, name = _free_port(), f"{role}-{i}"
+        tier = (["--disk-kv-dir", str(self.disk_kv_dir / name)]
+                if self.disk_kv_dir is not None else [])
+        self._spawn(name, [role, *self._worker_common, *tier, "--port", str(port)])
+        return name, f"http://127.0.0.1:{port}"
+
+    def pool(self, role: str) -> list[str]:
+        """The `role` workers running and not draining, oldest first."""
+        return [n for n, p in self.procs if n.startswith(f"{role}-") and p.poll() is None
+                and n not in self.retiring]
+
+    def retire_worker(self, role: str) -> str | None:
+        """Drain the newest `role` worker (SIGTERM: it deregisters, finishes its requests and
+        exits; the supervisor lets it go); its name, or None when there is none."""
+        names = self.pool(role)
+        if not names:
+            return None
+        name = names[-1]
+        self.retiring.add(name)
+        dict(self.procs)[name].send_signal(signal.SIGTERM)
+        return name
+
     def _wait(self, url: str, name: str, timeout: float, nonce: str | None = None) -> None:
         """Until `url` answers 200 (with `nonce`: and says it is the process started here)."""
         deadline = time.monotonic() + timeout
@@ -193,16 +221,22 @@ class Cluster:
         raise TimeoutError(f"{name} was not ready within {timeout:.0f} s")
 
     def supervise(self, poll_s: float = 0.5, max_backoff_s: float = 30.0,
-                  healthy_after_s: float = 60.0) -> str:
+                  healthy_after_s: float = 60.0, tick: Callable[[], None] | None = None) -> str:
         """Keep the cluster running until a process that cannot be restarted exits (the router,
         Redis); returns its name. A worker that exits (a dead engine exits non-zero) is started
-        again on its own port, after a backoff that doubles with each quick failure."""
+        again on its own port, after a backoff that doubles with each quick failure; one that
+        was retired (drained) is let go. `tick()` runs every round (the autoscaler)."""
         started = {name: time.monotonic() for name, _ in self.procs}
         due: dict[str, float] = {}
         while True:
             now = time.monotonic()
             for name, proc in list(self.procs):
                 if proc.poll() is None or name in due:
+                    continue
+                if name in self.retiring:
+                    self.retiring.discard(name)
+                    self.procs = [(n, p) for n, p in self.procs if n != name]
+                    _say(f"{name} drained and stopped (exit {proc.returncode})")
                     continue
                 if name not in self.specs or not name.startswith(("prefill-", "decode-")):
                     return name
@@ -217,6 +251,8 @@ class Cluster:
                     del due[name]
                     self._spawn(name, self.specs[name])
                     started[name] = time.monotonic()
+            if tick is not None:
+                tick()
             time.sleep(poll_s)
 
     def down(self, grace_s: float = 10.0) -> None:

@@ -141,7 +141,8 @@ class Bridge:
             return await mirror.snapshot()
 
         publisher = WorkerPublisher(st.redis_url, RedisKeys(st.namespace), st.resolved_worker_id,
-                                    info, snapshot=snapshot, load=lambda: self.metrics.load(),
+                                    info, snapshot=snapshot,
+                                    load=lambda: self.metrics.load(chain.num_device_blocks),
                                     ttl_s=st.heartbeat_ttl_s, errors=self.errors,
                                     token=st.internal_token, cluster=st.redis_cluster)
         mirror = EventMirror(chain, publisher, source, st, self.tally, self.errors)

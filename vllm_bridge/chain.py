@@ -102,6 +102,11 @@ class BlockChain:
             return {"device": list(self._refs),
                     **{tier: list(refs) for tier, refs in self._tier_refs.items()}}
 
+    @property
+    def num_device_blocks(self) -> int:
+        """vLLM blocks mapped on the GPU (read from any thread: one `len`)."""
+        return len(self._own)
+
     def __len__(self) -> int:
         """vLLM blocks mapped, in every tier."""
         return len(self._own) + sum(map(len, self._tier_own.values()))

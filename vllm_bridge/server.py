@@ -73,13 +73,18 @@ class ServerMetrics:
     kv_cache_usage: float | None = None  # 0..1
     start_time: float | None = None  # of the API server process: a new one is a restart
 
-    def load(self) -> dict[str, int]:
-        """The registration's `load` (common/registry.py WorkerLoad)."""
+    def load(self, cached_blocks: int | None = None) -> dict[str, int]:
+        """The registration's `load` (common/registry.py WorkerLoad); `cached_blocks`: the GPU
+        blocks its KV events say it holds. vLLM's free blocks include its cached unreferenced
+        ones, which it does not count apart: `evictable_blocks` is taken as all cached blocks
+        that fit among the free ones (exact while nothing runs, an upper bound otherwise)."""
         out = {"running": self.running, "waiting": self.waiting}
         if self.num_gpu_blocks:
             out["num_blocks"] = self.num_gpu_blocks
             if self.kv_cache_usage is not None:
                 out["free_blocks"] = round((1 - self.kv_cache_usage) * self.num_gpu_blocks)
+                if cached_blocks is not None:
+                    out["evictable_blocks"] = min(cached_blocks, out["free_blocks"])
         return out
 
 

@@ -18,6 +18,7 @@ from kv_transfer.metadata_api import metadata_router
 from worker.errors import install_error_handlers
 from worker.internal_api import abort_router
 from worker.metrics import WorkerMetrics
+from worker.prefix_export import prefix_export_router
 from worker.role import RoleParts
 from worker.settings import WorkerSettings
 from worker.state import WorkerState
@@ -45,6 +46,7 @@ def create_app(settings: WorkerSettings, parts: RoleParts) -> FastAPI:
         await state.start()
         if state.connector is not None:
             app.include_router(metadata_router(state.connector, settings.internal_token))
+            app.include_router(prefix_export_router(state))
         for make_router in (*parts.routers, abort_router):
             app.include_router(make_router(state))
         from worker.openai_api import openai_router

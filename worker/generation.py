@@ -8,11 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from common.errors import KV_TRANSFER_FAILED
+from common.errors import KV_TRANSFER_FAILED, OUT_OF_KV_BLOCKS
 from common.protocol import GenerateRequest, RequestTiming
 from engine.llm_engine import DuplicateRequestId, RequestOutput
 from engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error
+from worker.peer_pull import Pulled, pull_prefix
 from worker.state import WorkerState
 
 
@@ -26,6 +27,7 @@ async def stream_generate(
     kvp = req.kv_transfer_params
     t0 = time.monotonic()
     transfer_s, transfer_bytes = 0.0, 0
+    pulled = Pulled()
     try:
         q = engine.open_stream(rid)
     except DuplicateRequestId as e:
@@ -45,7 +47,7 @@ async def stream_generate(
                     "import_request", rid, req.prompt_token_ids, params, req.output_token_ids,
                     req.tenant())
             except MemoryError as e:
-                raise APIError(503, str(e), "out_of_kv_blocks", headers={"Retry-After": "1"}) from e
+                raise APIError(503, str(e), OUT_OF_KV_BLOCKS, headers={"Retry-After": "1"}) from e
             except ValueError as e:
                 raise api_error(e) or APIError(400, str(e), "invalid_prompt") from e
             added = True
@@ -62,6 +64,9 @@ async def stream_generate(
             if not await engine.call("finish_import", rid, ok):
                 return  # aborted while pulling
         else:
+            # A peer's prefix first, if the router found one (worker/peer_pull.py).
+            pulled = await pull_prefix(state, req.prefix_kv_params, rid, req.prompt_token_ids,
+                                       req.cache_salt)
             try:
                 await engine.call("add_request", rid, req.prompt_token_ids, params,
                                   req.output_token_ids, False, req.tenant())
@@ -86,9 +91,12 @@ async def stream_generate(
                 # An imported request is created before its pull; the pull is not queueing.
                 queue_s = (out.first_scheduled_time - out.arrival_time - transfer_s
                            if out.first_scheduled_time else 0.0)
-                timing = RequestTiming(queue_s=max(queue_s, 0.0), transfer_s=transfer_s,
-                                       transfer_bytes=transfer_bytes,
-                                       decode_s=time.monotonic() - t0 - transfer_s)
+                timing = RequestTiming(queue_s=max(queue_s, 0.0),
+                                       transfer_s=transfer_s + pulled.seconds,
+                                       transfer_bytes=transfer_bytes + pulled.num_bytes,
+                                       num_pulled_tokens=pulled.num_tokens,
+                                       decode_s=time.monotonic() - t0 - transfer_s
+                                       - pulled.seconds)
             yield out, timing
     finally:
         state.num_streams -= 1

@@ -54,12 +54,24 @@ class WorkerMetrics:
         self.pull_failures = _WithModel(Counter(
             "tandem_worker_kv_pull_failures", "Failed KV pulls, by what followed "
             "(--kv-pull-failure-policy: recompute, fail)", ["policy", "model"], registry=r), model)
+        self.peer_pulled_tokens = Counter(
+            "tandem_worker_peer_pulled_tokens", "Prompt tokens pulled from a peer's cache "
+            "instead of computed (worker/peer_pull.py)", m, registry=r).labels(model)
+        self.peer_pull_fallbacks = _WithModel(Counter(
+            "tandem_worker_peer_pull_fallbacks", "Peer prefix pulls that pulled nothing (the "
+            "prompt was computed), by reason", ["reason", "model"], registry=r), model)
+        self.prefix_exports = _WithModel(Counter(
+            "tandem_worker_prefix_exports", "Peer prefix exports answered, by outcome (leased, "
+            "none_held)", ["outcome", "model"], registry=r), model)
         self.shed = Counter("tandem_load_shed", "Requests refused with 503 (queue full)", m,
                             registry=r).labels(model)
         self.running = Gauge("tandem_worker_running_requests", "Running sequences", registry=r)
         self.waiting = Gauge("tandem_worker_waiting_requests", "Waiting sequences", registry=r)
         self.free_blocks = Gauge("tandem_worker_free_blocks", "Free KV blocks", registry=r)
         self.kv_usage = Gauge("tandem_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
+        self.pinned_blocks = Gauge("tandem_worker_pinned_blocks", "Blocks pinned for a peer "
+                                   "prefix pull: exported, or reserved to pull into",
+                                   registry=r)
         self.held_requests = Gauge("tandem_worker_held_requests",
                                    "Prefilled requests holding blocks for export", registry=r)
         self.parked_requests = Gauge("tandem_worker_parked_requests", "Requests out of the batch "
@@ -125,6 +137,7 @@ class WorkerMetrics:
         self.free_blocks.set(stats["free_blocks"])
         self.kv_usage.set(usage)
         self.held_requests.set(stats["held"])
+        self.pinned_blocks.set(stats.get("pinned_blocks", 0))
         self.parked_requests.set(stats["parked"])
         num = stats.get("preemptions", 0)
         if num > self._num_preemptions:  # the engine's running total, as a counter

@@ -17,6 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.core_client import CoreView, ProcessEngine
 from engine.engine_client import EngineClient
 from engine.llm_engine import LLMEngine
+from kv_transfer import handle
 from kv_transfer.connector import KVConnector
 from kv_transfer.layout import KVLayout
 from kv_transfer.metrics import TransferMetrics
@@ -51,6 +52,8 @@ class WorkerState:
     # What the edge (the CLI) gives to stop the server: called once after an engine failure.
     request_shutdown: Callable[[], None] | None = None
     errors: BackgroundErrors | None = None  # built in __post_init__ on the worker's registry
+    # Peer prefix handles this worker pulled with, refused if presented again (a replay).
+    spent_prefix_handles: handle.SpentHandles = field(default_factory=handle.SpentHandles)
 
     def __post_init__(self) -> None:
         if self.errors is None:
@@ -75,21 +78,21 @@ class WorkerState:
             self.engine = AsyncEngine(llm, on_events=self._on_events, on_death=self.on_engine_death)
         await self.engine.start()
         core = self.core
-        if s.role != "colocated":
-            transport = s.transport or default_transport_name()
-            tconfig = TransportConfig(engine_id=s.resolved_worker_id, token=s.internal_token,
-                                      listen_host=s.host, advertise_host=s.advertise_host,
-                                      port=s.transport_port, pull_timeout_s=s.pull_timeout_s,
-                                      handshake_timeout_s=s.handshake_timeout_s)
-            self.connector = KVConnector(
-                core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_digest),
-                tconfig, transport, release=lambda rid: self.engine.post("release", rid),
-                lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
-                errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
-                max_lease_seconds=s.max_lease_seconds,
-            )
-            await self.connector.start()
-            log.info("kv transfer: %s (%s)", transport, self.connector.transport.label)
+        # Every role has one: a colocated worker, too, is a peer prefix source or puller.
+        transport = s.transport or default_transport_name()
+        tconfig = TransportConfig(engine_id=s.resolved_worker_id, token=s.internal_token,
+                                  listen_host=s.host, advertise_host=s.advertise_host,
+                                  port=s.transport_port, pull_timeout_s=s.pull_timeout_s,
+                                  handshake_timeout_s=s.handshake_timeout_s)
+        self.connector = KVConnector(
+            core.kv_cache, KVLayout.of_cache(core.kv_cache, core.model_digest),
+            tconfig, transport, release=lambda rid: self.engine.post("release", rid),
+            lease_seconds=s.lease_seconds, metrics=TransferMetrics(self.registry),
+            errors=self.errors, handshake_timeout_s=s.handshake_timeout_s,
+            max_lease_seconds=s.max_lease_seconds,
+        )
+        await self.connector.start()
+        log.info("kv transfer: %s (%s)", transport, self.connector.transport.label)
         if s.redis_url:
             self.publisher = WorkerPublisher(
                 s.redis_url, RedisKeys(s.namespace), s.resolved_worker_id, self.registration_info(),

@@ -169,6 +169,13 @@ def test_gpu_rdma_values_render_valid_manifests():
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
         assert term["podAffinityTerm"]["topologyKey"] == "network.topology/block"
+        # Pulls between pods go over RDMA: pods share no PID/IPC namespace, so a cuda_ipc (or
+        # shared-memory) lane between them never forms (docs/deployment.md, RDMA and UCX).
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        lanes = env["UCX_TLS"].split(",")
+        assert "rc" in lanes and "cuda_copy" in lanes and env["UCX_IB_GPU_DIRECT_RDMA"] == "yes"
+        assert not {"cuda_ipc", "cma", "posix", "sm", "shm"} & set(lanes)
+        assert not spec.get("shareProcessNamespace") and not spec.get("hostIPC")
     assert "rel-tandem" in by_kind(docs, "ServiceMonitor")
     secret = by_kind(docs, "Secret")["rel-tandem-secrets"]
     assert secret["stringData"]["keys"].split() == ["k1", "k2"]

@@ -1,6 +1,7 @@
 """The overlapped decode loop (engine/decode_pipeline.py) on CPU: every request's tokens, text,
-finish and logprobs equal the synchronous loop's, through greedy and seeded sampling, stops of
-every kind, aborts and requests arriving mid-run; no block is leaked; the overlap really ran."""
+finish and logprobs equal the synchronous loop's, through greedy, seeded and unseeded sampling,
+stops of every kind, aborts and requests arriving mid-run; no block is leaked; the overlap
+really ran."""
 
 import pytest
 
@@ -55,6 +56,10 @@ def both(folder, plan: dict[int, list], **kw) -> tuple[dict, dict, LLMEngine]:
     for e in (sync_engine, overlap_engine):
         assert e.pool.num_free_blocks == e.num_blocks  # every block back
     return want, got, overlap_engine
+
+
+def top_ids(top: list[tuple[int, float]]) -> set[int]:
+    return {t for t, _ in top}
 
 
 def adds(params_by_id: dict[str, tuple[list[int], SamplingParams]]) -> list:
@@ -125,18 +130,62 @@ def test_aborts_and_mixed_arrivals(tiny_folder):
 
 
 def test_unoverlappable_batches_run_synchronously(tiny_folder):
-    """Penalties, min_tokens and unseeded sampling keep the synchronous loop (their sampling
-    needs the previous token on the host, or a shared random stream)."""
+    """Penalties and min_tokens keep the synchronous loop (their sampling needs the previous
+    token on the host)."""
     ps = prompts(3)
     reqs = {"pen": (ps[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                           frequency_penalty=0.5)),
             "min": (ps[1], SamplingParams(temperature=0, max_tokens=8, min_tokens=8))}
     want, got, engine = both(tiny_folder, {0: adds(reqs)})
     assert got == want and engine.pipeline.num_overlapped_steps == 0
-    engine.add_request("free", ps[2],
-                       SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+    engine.add_request("pen-sampled", ps[2], SamplingParams(temperature=1.0, max_tokens=6,
+                                                            ignore_eos=True, presence_penalty=1))
     drive(engine, {})
     assert engine.pipeline.num_overlapped_steps == 0
+
+
+def test_unseeded_sampling_overlaps_and_equals_sync(tiny_folder):
+    """Sampling without a seed overlaps too (each request draws from its own stream), through
+    stop tokens, aborts, arrivals and logprobs; tokens equal the synchronous loop's, although
+    the overlapped loop samples rows that are dropped afterwards (stopped or aborted)."""
+    ps = prompts(6)
+    free = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=22, ignore_eos=True)
+
+    def first(u1: SamplingParams) -> list:
+        return [("add", "u0", ps[0], free), ("add", "u1", ps[1], u1),
+                ("add", "u2", ps[2], SamplingParams(temperature=0.7, top_k=20, max_tokens=18,
+                                                    ignore_eos=True, logprobs=2)),
+                ("add", "s", ps[3], SamplingParams(temperature=0.8, seed=11, max_tokens=16,
+                                                   ignore_eos=True)),
+                ("add", "g", ps[4], SamplingParams(temperature=0, max_tokens=14,
+                                                   ignore_eos=True))]
+
+    # Unseeded draws are a function of the engine's seed, the request and the order in which
+    # requests first sample: a run of the same arrivals gives the stop token a place.
+    probe = engine_for(tiny_folder, False)
+    u1 = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    stop_id = drive(probe, {0: first(u1)})["final"]["u1"][0][6]
+    u1 = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
+    plan = {0: first(u1), 5: [("abort", "u0")], 9: [("add", "late", ps[5], free)]}
+    want, got, engine = both(tiny_folder, plan)
+    # Logprobs within float noise: a dropped row still in flight changes the batch's shape,
+    # and with it the last bits of a matmul.
+    lp_want, lp_got = want["final"]["u2"][4], got["final"]["u2"][4]
+    assert [(t, top_ids(top)) for t, _, top in lp_got] == [(t, top_ids(top))
+                                                          for t, _, top in lp_want]
+    assert max(abs(a[1] - b[1]) for a, b in zip(lp_want, lp_got, strict=True)) < 1e-4
+    for res in (want, got):
+        res["final"]["u2"] = res["final"]["u2"][:4]
+    assert got == want
+    assert want["final"]["u1"][2] == "stop" and len(want["final"]["u1"][0]) <= 7
+    assert set(want["aborted"]) == {"u0"} and len(lp_want) == 18
+    assert len(set(want["final"]["late"][0])) > 3  # sampled, not stuck on one token
+    assert engine.pipeline.num_overlapped_steps > 10
+    # Only unseeded rows: every steady step overlaps.
+    engine.add_request("alone", ps[0], free)
+    before = engine.pipeline.num_overlapped_steps
+    drive(engine, {})
+    assert engine.pipeline.num_overlapped_steps - before >= 18
 
 
 def test_preemption_under_overlap(tiny_folder):
@@ -187,7 +236,8 @@ def test_overlap_is_on_only_with_cuda_graphs_unless_asked():
 @pytest.mark.gpu
 def test_overlap_on_gpu_equals_sync(tiny_folder, triton_kernels):
     """The GPU twin: graphs captured, sampled ids copied into the static buffer on the device,
-    tokens read through pinned memory after the next step is queued."""
+    tokens read through pinned memory after the next step is queued; an unseeded request's
+    draws reach the device through pinned memory too."""
     ps = prompts(6)
     probe = engine_for(tiny_folder, False, device="cuda", dtype="float32", max_num_seqs=8)
     probe.add_request("p", ps[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -197,7 +247,9 @@ def test_overlap_on_gpu_equals_sync(tiny_folder, triton_kernels):
             + [("add", "stop", ps[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                      stop_token_ids=[stop_id])),
                ("add", "seeded", ps[3], SamplingParams(temperature=0.9, seed=5, max_tokens=30,
-                                                       ignore_eos=True))],
+                                                       ignore_eos=True)),
+               ("add", "unseeded", ps[4], SamplingParams(temperature=0.9, max_tokens=30,
+                                                         ignore_eos=True))],
             12: [("abort", "g1")],
             20: [("add", "late", ps[5],
                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]}

@@ -18,7 +18,7 @@ from engine.host_tier import HostTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers import KVTiers
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.tier_file import BlockFormat, TierFileError, decode, encode_header, file_name
 from kv_transfer.layout import KV_ORDER
 
@@ -293,7 +293,7 @@ class GatedCache:
 def test_a_copy_in_progress_is_waited_for_before_its_block_is_reused(tmp_path):
     rig = Rig(tmp_path, num_blocks=2)
     gate = GatedCache(rig.kv)
-    rig.tiers.kv_cache = gate
+    rig.tiers.offloader.kv_cache = gate
     b, spare = rig.pool.allocate(2)
     fill(rig.kv, b, 7)
     rig.pool.cache_block(b, 7)
@@ -308,7 +308,7 @@ def test_a_copy_in_progress_is_waited_for_before_its_block_is_reused(tmp_path):
     t.join(30)
     assert reused == [[b]]
     fill(rig.kv, b, 8)
-    rig.tiers.kv_cache = rig.kv
+    rig.tiers.offloader.kv_cache = rig.kv
     rig.pool.free([spare])
     assert rig.reload([7]) == [True]  # the copy holds 7's contents, not 8's
     rig.close()
@@ -434,8 +434,10 @@ def test_an_abort_after_a_reload_frees_every_block(tiny_folder, tmp_path):
         run_twice(llm, batch[:2])
         engine = llm.engine
         engine.add_request("x", batch[0], GREEDY)
-        engine.step()  # admitted: its prefix reloaded from host
-        assert engine.requests["x"].reloaded_media
+        seq = engine.requests["x"]
+        while seq.status != SequenceStatus.RUNNING:
+            engine.step()  # loading from host, then admitted with the reloaded prefix
+        assert seq.reloaded_media
         engine.abort_request("x")
         assert engine.pool.num_free_blocks == engine.num_blocks
     finally:

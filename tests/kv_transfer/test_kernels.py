@@ -1,4 +1,10 @@
 """Kernel references on CPU; the CUDA kernels compile here (nvcc) and match the references on a GPU.
+
+The CUDA kernels (csrc/kv_kernels.cu) have no CPU build. Each `gpu` test here has a CPU twin that
+sends the same inputs through the same entry points, where the torch references run, and checks
+them against oracles of their own (per-block indexing, numpy axis swaps, scales by numpy's
+float64 division): what the GPU tests hold the kernels to is itself checked on every run. The
+kernels' own paths (chunk sizes, FP8 variants, the fallbacks for odd shapes) run on a GPU only.
 """
 
 import subprocess
@@ -177,6 +183,72 @@ def test_gpu_kernels_match_references_on_odd_shapes(cuda_lib, shape):
                            kernels.fp8_unpack_ref(qr, sr, dtype))
         ids = list(range(shape[0]))[::-1]
         assert torch.equal(kernels.gather_blocks(x, ids, use_kernel=True), x[ids])
+
+
+def as_bits(t: torch.Tensor):
+    """`t` as a numpy array of its bits (numpy has no bfloat16): equality is bit-exact."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.contiguous().view(ints).numpy()
+
+
+def fp8_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 pack by the module docstring's rule, the scales by numpy's float64 division."""
+    import numpy as np
+
+    runs = x.reshape(-1, x.shape[-3] * x.shape[-2] * x.shape[-1]).float().numpy()
+    amax = np.abs(runs).max(axis=1)
+    scales = np.where(amax > 0, (amax.astype(np.float64) / 448).astype(np.float32),
+                      np.float32(1))
+    inv = (np.float64(1) / scales.astype(np.float64)).astype(np.float32)
+    q = torch.from_numpy(runs * inv[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return q.reshape(x.shape), torch.from_numpy(scales).reshape(x.shape[:-3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_twin_of_the_kernels_against_references(dtype):
+    """test_gpu_kernels_match_references's inputs and calls on CPU, each against an oracle."""
+    import numpy as np
+
+    c = cache(dtype, "cpu", num_blocks=64)
+    ids = [63, 0, 17, 18, 19, 5]
+    staging = kernels.gather_blocks(c, ids)
+    assert torch.equal(staging, torch.stack([c[i] for i in ids]))
+    dst = torch.zeros_like(c)
+    kernels.scatter_blocks(dst, [1, 2, 3, 4, 5, 6], staging)
+    for j, i in enumerate(ids):
+        assert torch.equal(dst[1 + j], c[i])
+    assert dst[0].abs().sum() == 0 and dst[7:].abs().sum() == 0
+    hnd = kernels.nhd_to_hnd(staging)
+    assert np.array_equal(as_bits(hnd), np.swapaxes(as_bits(staging), -3, -2))
+    assert torch.equal(kernels.hnd_to_nhd(hnd), staging)
+    want_q, want_s = fp8_oracle(staging)
+    for variant in kernels.FP8_VARIANTS:  # a kernel's choice: the same numbers on every path
+        q, scales = kernels.fp8_pack(staging, variant=variant)
+        assert torch.equal(scales, want_s) and torch.equal(q, want_q), variant
+    back = kernels.fp8_unpack(want_q, want_s, dtype)
+    runs = want_q.view(torch.float8_e4m3fn).float().reshape(want_s.numel(), -1)
+    assert torch.equal(back, (runs * want_s.reshape(-1, 1)).to(dtype).reshape(back.shape))
+    for chunk in (16, 4096, 100_000):
+        assert torch.equal(kernels.gather_blocks(c, ids, chunk_bytes=chunk), staging)
+
+
+@pytest.mark.parametrize("shape", [(5, 2, 2, 16, 8, 128), (3, 1, 2, 7, 5, 12), (4, 1, 2, 3, 1, 5)])
+def test_cpu_twin_of_the_kernels_on_odd_shapes(shape):
+    """test_gpu_kernels_match_references_on_odd_shapes's inputs on CPU, against oracles."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype)
+        hnd = kernels.nhd_to_hnd(x)
+        assert np.array_equal(as_bits(hnd), np.swapaxes(as_bits(x), -3, -2))
+        assert torch.equal(kernels.hnd_to_nhd(hnd), x)
+        want_q, want_s = fp8_oracle(x)
+        for variant in kernels.FP8_VARIANTS:
+            q, scales = kernels.fp8_pack(x, variant=variant)
+            assert torch.equal(scales, want_s) and torch.equal(q, want_q), (dtype, variant)
+        ids = list(range(shape[0]))[::-1]
+        assert torch.equal(kernels.gather_blocks(x, ids), torch.stack([x[i] for i in ids]))
 
 
 def test_the_build_module_needs_no_torch_and_agrees_with_the_loader():

@@ -6,7 +6,8 @@ import pytest
 
 from common.protocol import RequestTiming
 from router.dispatch import learn_bandwidth
-from router.policy import NoWorkers, RouteContext, make_policy
+from router.plan import NoWorkers, RouteContext
+from router.policy import make_policy
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
 
@@ -135,24 +136,26 @@ def _brute_force(pol, c: RouteContext):
         if not c.prefill or (s.conditional_disagg
                              and c.num_tokens - held * BS <= s.local_prefill_max_uncached_tokens
                              and held * BS >= s.local_prefill_min_cached_fraction * c.num_tokens):
-            t, _ = pol._prefill_s(d, c)
-            cands.append((t * (1 + s.local_prefill_interference * d.running()), "decode_local",
-                          _key(d), d.worker_id, None))
+            t, hit = pol._prefill_s(d, c)
+            cands.append((t * (1 + s.local_prefill_interference * d.running())
+                          + pol._evict_s(d, c, hit), "decode_local", _key(d), d.worker_id, None))
         elif (s.local_prefill_when_backed_up
                 and min(p.queued_tokens() for p in c.prefill) >= c.num_tokens - held * BS):
             # The prefill pool is backed up: local prefill priced with the stall it imposes.
-            t, _ = pol._prefill_s(d, c)
+            t, hit = pol._prefill_s(d, c)
             stall = d.running() * (c.num_tokens - held * BS) / pol._rate(d)
             cands.append((t * (1 + s.local_prefill_interference * d.running())
-                          + s.local_prefill_stall_weight * stall,
+                          + s.local_prefill_stall_weight * stall + pol._evict_s(d, c, hit),
                           "decode_local", _key(d), d.worker_id, None))
         missing = max(c.num_blocks - held, 0) + (c.num_tokens % BS > 0)
         bw = d.transfer_bytes_per_s or pol._fleet_bw or s.default_transfer_bytes_per_s
         td = (s.transfer_weight
               * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw))
+        td += pol._evict_s(d, c, pol._hit(d, c))  # the decode worker takes the prompt's blocks
         for p in c.prefill:
-            t, _ = pol._prefill_s(p, c)
-            cands.append((t + td, "disagg", _key(p) + _key(d), d.worker_id, p.worker_id))
+            t, hit = pol._prefill_s(p, c)
+            cands.append((t + pol._evict_s(p, c, hit) + td, "disagg", _key(p) + _key(d),
+                          d.worker_id, p.worker_id))
     best = min(x[0] for x in cands)
     near = sorted((x for x in cands if x[0] <= best + s.near_tie_s),
                   key=lambda x: (x[1] != "disagg", x[2], x[0]))
@@ -160,8 +163,14 @@ def _brute_force(pol, c: RouteContext):
 
 
 def _key(w):
-    from router.policy import _load_key
+    from router.plan import load_key as _load_key
     return _load_key(w)
+
+
+def _cache(rng) -> dict:
+    """A random cache fill as a worker reports it (none, roomy, full of cached blocks)."""
+    free = rng.choice([0, 40, 100])
+    return {"free_blocks": free, "evictable_blocks": rng.randint(0, free)} if free else {}
 
 
 def test_two_pass_search_equals_every_pair():
@@ -172,10 +181,11 @@ def test_two_pass_search_equals_every_pair():
     for _ in range(400):
         ps = [worker(f"p{i}", "prefill", prefill_tokens_per_s=rng.choice([None, 800.0, 1200.0]),
                      load={"waiting_tokens": rng.choice([0, 0, 100, 900]),
-                           "running": rng.randint(0, 3)})
+                           "running": rng.randint(0, 3), **_cache(rng)})
               for i in range(rng.randint(0, 5))]
         ds = [worker(f"d{i}", "decode", transfer_bytes_per_s=rng.choice([None, 5e7, 2e9]),
-                     load={"running": rng.randint(0, 8)}, inflight=rng.randint(0, 2))
+                     load={"running": rng.randint(0, 8), **_cache(rng)},
+                     inflight=rng.randint(0, 2))
               for i in range(rng.randint(1, 5))]
         n = rng.randint(1, 1200)
         matches = {w.worker_id: rng.randint(0, n // BS) for w in ps + ds if rng.random() < 0.6}

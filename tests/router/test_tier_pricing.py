@@ -29,6 +29,9 @@ def worker(wid: str, role: str = "colocated", reload=None, **kw) -> WorkerInfo:
 
 
 def plan(ws, matches, media, **settings):
+    # One worker's own tiers, priced without peer pulls: with them, an idle worker may pull
+    # another's tier hit instead (tests/router/test_peer_pull_plan.py).
+    settings.setdefault("peer_pulls", False)
     return plan_for(make_policy("kv_aware", RouterSettings(**settings)), PROMPT_TOKENS, matches,
                     ws, PROMPT_TOKENS // BS, BS, media)
 

@@ -1,0 +1,259 @@
+"""The SLO planner: each model's desired prefill and decode replicas, from the traffic the router
+sees, what the workers measure and the SLOs (docs/planner.md).
+
+- **Prefill** is a queue in front of n workers: prompts arrive at the forecast rate, each takes
+  its mean uncached tokens at the measured prefill rate. The pool needs the fewest n whose
+  M/M/n (Erlang C) waiting time keeps `percentile` of first tokens within `slo_ttft_s`, at no
+  more than `max_utilization`; a backlog the live pool cannot clear within the SLO is added to
+  the demand (spread over `horizon_s`). The rate is the best measured in `rate_window_s`
+  (the router's measure of a prefill includes its wait in the queue: a busy pool would look
+  slow and ask for more).
+- **Decode** is continuous batching: a step takes base + per_seq * batch (fitted on observed
+  inter-token latency against the batch, router/planner_inputs.py `StepTimeFit`). The largest
+  batch whose step stays within `slo_itl_s` (less the fit's spread at `percentile`) bounds the
+  `percentile` of a worker's batch, its streams counted as Poisson (`target_batch`); a
+  worker's tokens/s at that mean batch, and the batch itself, give the workers the forecast
+  output tokens/s and the streams decoding now need.
+- **Forecast**: Holt's linear trend of each rate, `horizon_s` ahead (a new worker's start-up
+  and a tick) while it rises (a falling one is not anticipated), plus `headroom` standard
+  deviations of its one-step forecast error.
+- **Damping** (`PoolScaler`): up by at most `max_step_up` a decision, at once past
+  `1 + hysteresis` times the fleet, else once two decisions in a row need it; down only
+  `cooldown_s` after the last scale-up, to the highest need of the last `cooldown_s` at
+  `1 + hysteresis` times the load, by at most `max_step_down` a decision; always within
+  [min, max].
+
+Pure and synchronous: `Planner.update(measurements)` is the whole decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from router.planner_inputs import HoltForecast, Measurements, StepTimeFit, WindowMax
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    min_replicas: int = 1
+    max_replicas: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"pool bounds need 0 <= min <= max, got {self.min_replicas}, "
+                             f"{self.max_replicas}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.1
+    percentile: float = 95.0  # share of requests each SLO must hold for
+    prefill: PoolBounds = field(default_factory=PoolBounds)
+    decode: PoolBounds = field(default_factory=PoolBounds)
+    horizon_s: float = 60.0  # forecast this far ahead: a new worker's start-up plus a tick
+    headroom: float = 0.5  # forecast-error standard deviations added to the forecast
+    max_utilization: float = 0.85
+    cooldown_s: float = 120.0
+    hysteresis: float = 0.05
+    max_step_up: int = 4
+    max_step_down: int = 2
+    # Until measured: one prefill worker's tokens/s, and the decode step time's line.
+    default_prefill_tokens_per_s: float = 1000.0
+    decode_step_base_s: float = 0.066
+    decode_step_per_seq_s: float = 0.0064
+    max_batch: int = 256  # the most sequences one decode worker runs (max_num_seqs)
+    # A worker's prefill rate as measured includes its queue: the best of this window stands.
+    rate_window_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.percentile < 100:
+            raise ValueError(f"percentile must be in (0, 100), got {self.percentile}")
+        if self.slo_ttft_s <= 0 or self.slo_itl_s <= 0:
+            raise ValueError("the SLOs must be positive")
+        if not 0 < self.max_utilization <= 1:
+            raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
+        if self.max_step_up < 1 or self.max_step_down < 1:
+            raise ValueError("step limits must be at least 1")
+
+
+def erlang_c(n: int, offered: float) -> float:
+    """The probability that a request waits in M/M/n with `offered` erlangs (1.0 when n cannot
+    carry it)."""
+    if offered <= 0:
+        return 0.0
+    if n <= offered:
+        return 1.0
+    b = 1.0  # Erlang B, by its recurrence
+    for k in range(1, n + 1):
+        b = offered * b / (k + offered * b)
+    rho = offered / n
+    return b / (1 - rho + rho * b)
+
+
+def prefill_replicas(prompts_per_s: float, service_s: float, slo_s: float, quantile: float,
+                     max_utilization: float, limit: int = 4096) -> int:
+    """The fewest prefill workers for which `quantile` of prompts (each `service_s` of work)
+    start within `slo_s - service_s`: P(wait > t) = C(n, a) exp(-(n - a) t / service_s)."""
+    offered = prompts_per_s * service_s
+    if offered <= 0:
+        return 0
+    n = max(1, math.ceil(offered / max_utilization))
+    slack = slo_s - service_s
+    if slack <= 0:  # one prompt alone outlasts the SLO: capacity is all that helps
+        return n
+    while n < limit and (erlang_c(n, offered) * math.exp(-(n - offered) * slack / service_s)
+                         > 1 - quantile):
+        n += 1
+    return n
+
+
+def target_batch(max_batch: float, z: float) -> float:
+    """The mean batch whose `z`-quantile, the streams on a worker counted as Poisson, is
+    `max_batch`: b + z * sqrt(b) = max_batch (at least 1)."""
+    root = (-z + math.sqrt(z * z + 4 * max_batch)) / 2
+    return max(root * root, 1.0)
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    needed: float  # the replicas the forecast load needs (before damping and bounds)
+    desired: int
+    # ... and the demand measured now: its rates, without forecast, headroom, a prefill
+    # backlog or the streams piled up on decode workers (what a fleet sized for it needs)
+    needed_now: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: PoolDecision
+    decode: PoolDecision
+    uncached_prompt_tokens_per_s: float  # forecast, with headroom
+    output_tokens_per_s: float  # forecast, with headroom
+    prefill_tokens_per_s: float  # one prefill worker's, as used
+    decode_step: tuple[float, float]  # (base_s, per_seq_s) as fitted
+    max_batch: float  # the largest decode batch within the ITL SLO
+
+    def pool(self, name: str) -> PoolDecision:
+        return self.prefill if name == "prefill" else self.decode
+
+
+class PoolScaler:
+    """One pool's replicas from its need over time: the damping described above."""
+
+    def __init__(self, bounds: PoolBounds, current: int) -> None:
+        self.bounds = bounds
+        self.current = self._clamp(current)
+        self.last_up = -math.inf
+        self._last_needed = 0.0
+        self._window: deque[tuple[float, int]] = deque()  # (time, down target)
+
+    def _clamp(self, n: int) -> int:
+        return min(max(n, self.bounds.min_replicas), self.bounds.max_replicas)
+
+    def step(self, now: float, needed: float, needed_above: float, cfg: PlannerConfig) -> int:
+        """`needed` at the forecast load, `needed_above` at `1 + hysteresis` times it."""
+        # Up at once past `1 + hysteresis` times the fleet; a smaller excess must hold for two
+        # decisions (one noisy forecast is not a trend).
+        last, self._last_needed = self._last_needed, needed
+        if needed <= self.current * (1 + cfg.hysteresis):
+            needed = min(needed, last)
+        up_to = math.ceil(needed - 1e-9)
+        self._window.append((now, math.ceil(needed_above - 1e-9)))
+        while self._window and self._window[0][0] < now - cfg.cooldown_s:
+            self._window.popleft()
+        current = self.current
+        if up_to > current:
+            current = min(up_to, current + cfg.max_step_up)
+            self.last_up = now
+        elif now - self.last_up >= cfg.cooldown_s:
+            down_to = max(t for _, t in self._window)
+            if down_to < current:
+                current = max(down_to, current - cfg.max_step_down)
+        self.current = self._clamp(current)
+        return self.current
+
+
+class Planner:
+    """One model's planner: feed it `Measurements` each tick, and the decode step observations
+    (`observe_step`) as they come."""
+
+    def __init__(self, config: PlannerConfig, num_prefill: int, num_decode: int) -> None:
+        self.config = config
+        self.scalers = {"prefill": PoolScaler(config.prefill, num_prefill),
+                        "decode": PoolScaler(config.decode, num_decode)}
+        self.prompt_tokens = HoltForecast()
+        self.prompts = HoltForecast()
+        self.output_tokens = HoltForecast()
+        self.step_fit = StepTimeFit(config.decode_step_base_s, config.decode_step_per_seq_s)
+        self.prefill_rate = WindowMax(config.rate_window_s)
+        self._z = NormalDist().inv_cdf(config.percentile / 100)
+
+    def observe_step(self, batch: float, step_s: float) -> None:
+        """A decode step (or the mean inter-token latency) observed at this mean batch."""
+        self.step_fit.observe(batch, step_s)
+
+    def _ahead(self, f: HoltForecast) -> float:
+        # A rising trend is met ahead of time (a new worker takes `horizon_s`); a falling one
+        # is not anticipated: a worker goes at once when the load has gone.
+        cfg = self.config
+        return max(f.forecast(cfg.horizon_s), f.forecast(0.0)) + cfg.headroom * f.error_sd
+
+    def update(self, m: Measurements) -> Decision:
+        cfg = self.config
+        self.prompt_tokens.update(m.now, m.uncached_prompt_tokens_per_s)
+        self.prompts.update(m.now, m.prompts_per_s)
+        self.output_tokens.update(m.now, m.output_tokens_per_s)
+        rate = self.prefill_rate.update(m.now, m.prefill_tokens_per_s) \
+            or cfg.default_prefill_tokens_per_s
+        tokens = self._ahead(self.prompt_tokens)
+        # A backlog the live pool cannot clear within the SLO is demand too, to be cleared by
+        # the time a new worker could help.
+        backlog = max(0.0, m.prefill_queued_tokens - m.num_prefill * rate * cfg.slo_ttft_s)
+        tokens += backlog / cfg.horizon_s
+        prompts = self._ahead(self.prompts)
+        out = self._ahead(self.output_tokens)
+        base, per_seq = self.step_fit.line()
+        max_batch = self._max_batch(base, per_seq)
+        batch = target_batch(max_batch, self._z)  # where a worker should run
+        per_worker = batch / (base + per_seq * batch)  # tokens/s at that batch
+
+        # The demand measured now: its rates alone, not a backlog or streams piled up.
+        now = (m.uncached_prompt_tokens_per_s, m.prompts_per_s, m.output_tokens_per_s, 0.0)
+
+        def prefill(load: float, demand=(tokens, prompts, out, 0.0)) -> float:
+            return self._prefill_needed(demand[0] * load, demand[1] * load, rate)
+
+        def decode(load: float, demand=(tokens, prompts, out, m.streams_decoding)) -> float:
+            return max(demand[2] * load / per_worker, demand[3] * load / batch)
+
+        pools = {}
+        for pool, need in (("prefill", prefill), ("decode", decode)):
+            needed = need(1.0)
+            desired = self.scalers[pool].step(m.now, needed, need(1 + cfg.hysteresis), cfg)
+            pools[pool] = PoolDecision(needed, desired, need(1.0, now))
+        return Decision(pools["prefill"], pools["decode"], tokens, out, rate, (base, per_seq),
+                        max_batch)
+
+    def _prefill_needed(self, tokens_per_s: float, prompts_per_s: float, rate: float) -> float:
+        if tokens_per_s <= 0:
+            return 0.0
+        cfg = self.config
+        prompts = max(prompts_per_s, 1e-9)
+        return float(prefill_replicas(prompts, tokens_per_s / prompts / rate, cfg.slo_ttft_s,
+                                      cfg.percentile / 100, cfg.max_utilization))
+
+    def _max_batch(self, base: float, per_seq: float) -> float:
+        cfg = self.config
+        # The fit's spread at the percentile comes off the budget, but at most half of it:
+        # noisy observations must not drive the batch (and the pool's need) to extremes.
+        budget = cfg.slo_itl_s - base
+        budget -= min(self._z * self.step_fit.residual_sd(), budget / 2)
+        if per_seq <= 0:
+            return float(cfg.max_batch)
+        return min(max(budget / per_seq, 1.0), float(cfg.max_batch))
