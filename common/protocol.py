@@ -50,6 +50,8 @@ MAX_GRAMMAR_CHARS = 64 << 10
 # relayed). An answer out of these bounds is a failed worker (router/backend.py `parse`).
 MAX_EVENT_TOKENS = 1 << 16
 MAX_ERROR_CHARS = 4096
+MAX_PULL_BYTES = 1 << 46  # 64 TiB: above any prefix a worker can hold
+MAX_PULL_S = 3600.0
 
 
 class StructuredOutput(BaseModel):
@@ -165,8 +167,11 @@ class PrefillResponse(BaseModel):
     first_token_logprob: TokenLogprob | None = None
     # Set when the request ended at its first token (EOS, stop, max_tokens=1): no decode leg.
     finish_reason: FinishReason | None = None
-    # Prompt tokens pulled from a peer (prefix_kv_params), not counted in num_cached_tokens.
+    # Prompt tokens pulled from a peer (prefix_kv_params), not counted in num_cached_tokens;
+    # the pull's KV bytes and seconds (the router learns the link from them: router/fabric.py).
     num_pulled_tokens: int = Field(0, ge=0, le=MAX_PROMPT_TOKENS)
+    pull_bytes: int = Field(0, ge=0, le=MAX_PULL_BYTES)
+    pull_s: float = Field(0.0, ge=0, le=MAX_PULL_S)
 
 
 class GenerateRequest(BaseModel, _FromTenant):
@@ -195,10 +200,13 @@ class RequestTiming(BaseModel):
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    transfer_bytes: int = 0  # KV bytes pulled from the prefill worker (or a peer's prefix)
+    transfer_bytes: int = 0  # KV bytes pulled from the prefill worker
     decode_s: float = 0.0
-    # Prompt tokens pulled from a peer's cache (not in the event's num_cached_tokens).
+    # Prompt tokens pulled from a peer's cache (not in the event's num_cached_tokens), and the
+    # pull's KV bytes and seconds (the router learns the link from them: router/fabric.py).
     num_pulled_tokens: int = Field(0, ge=0, le=MAX_PROMPT_TOKENS)
+    pull_bytes: int = Field(0, ge=0, le=MAX_PULL_BYTES)
+    pull_s: float = Field(0.0, ge=0, le=MAX_PULL_S)
 
 
 class StreamEvent(BaseModel):

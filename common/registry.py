@@ -33,6 +33,7 @@ from pydantic import (
 from common.auth import secrets_equal, sign_json
 from common.block_events import MEDIA, Medium
 from common.bounds import MAX_TOKEN_ID
+from common.locality import LOCALITY_PATTERN, MAX_LOCALITY_CHARS
 from common.model_identity import NAME_PATTERN, is_name
 
 
@@ -184,6 +185,7 @@ class WorkerRegistration(ProbedModel):
     capacity: int = Field(0, ge=0, le=1 << 40)
     block_bytes: int | None = Field(None, ge=1, le=1 << 40)
     events: str = Field("", pattern=r"^([0-9a-f]{16}:(-1|[0-9]{1,18}))?$")  # "epoch:seq"
+    locality: str = Field("", max_length=MAX_LOCALITY_CHARS, pattern=LOCALITY_PATTERN)
     load: WorkerLoad = Field(default_factory=WorkerLoad)
 
     @classmethod

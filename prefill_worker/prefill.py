@@ -83,7 +83,7 @@ async def run_prefill(state: WorkerState, request_id: str, prompt: list[int],
         first_token_id=out.token_ids[0],
         num_cached_tokens=max(out.num_cached_tokens - pulled.num_tokens, 0),
         num_cached_tokens_by_medium=_uncount(out.num_cached_tokens_by_medium, pulled.num_tokens),
-        num_pulled_tokens=pulled.num_tokens,
+        num_pulled_tokens=pulled.num_tokens, pull_bytes=pulled.num_bytes, pull_s=pulled.seconds,
         kv_transfer_params=kv,
         first_token_logprob=TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
                             if lp else None,

@@ -26,6 +26,7 @@ from router.leg_outcomes import check_vocab, learn_bandwidth, learn_prefill_rate
 from router.local_prefill import queued_until_first, uncached_tokens
 from router.peer_pull import export_prefix, leg_pull
 from router.plan import Plan
+from router.pull_metrics import PullMetrics
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
@@ -72,8 +73,10 @@ class Dispatcher:
 
     def __init__(self, backends: dict[str, Backend], directory: WorkerDirectory,
                  max_prefill_retries: int, retry_backoff_s: float, kv_full_waits: int = 3,
-                 request_timeout_s: float = 300.0, export_timeout_s: float = 10.0) -> None:
+                 request_timeout_s: float = 300.0, export_timeout_s: float = 10.0,
+                 pulls: PullMetrics | None = None) -> None:
         self.backends = backends
+        self.pulls = pulls  # peer pulls' outcomes: learned per locality pair, counted
         self.directory = directory
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
@@ -122,6 +125,9 @@ class Dispatcher:
                 pre, prefilled_on = got
                 trace.record_cached(pre.num_cached_tokens, pre.num_cached_tokens_by_medium)
                 trace.num_pulled_tokens = pre.num_pulled_tokens
+                if self.pulls is not None:
+                    self.pulls.leg(plan, prefilled_on, trace.model, pre.num_pulled_tokens,
+                                   pre.pull_bytes, pre.pull_s)
                 kv_params = pre.kv_transfer_params
                 first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
@@ -176,7 +182,11 @@ class Dispatcher:
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.record_cached(ev.num_cached_tokens,
                                                     ev.num_cached_tokens_by_medium)
-                                trace.num_pulled_tokens = trace.worker_timing.num_pulled_tokens
+                                wt = trace.worker_timing
+                                trace.num_pulled_tokens = wt.num_pulled_tokens
+                                if self.pulls is not None and num_sent == 0:
+                                    self.pulls.leg(plan, decode, trace.model,
+                                                   wt.num_pulled_tokens, wt.pull_bytes, wt.pull_s)
                         yield ev
                         if ev.finish_reason is not None:
                             self.directory.record_success(decode)

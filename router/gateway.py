@@ -27,6 +27,7 @@ from router.choices import Choices
 from router.clients import ClientGate
 from router.dispatch import Dispatcher, Trace
 from router.eviction_cost import note_placement
+from router.fabric import Fabric
 from router.index import INDEXES, PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
@@ -35,6 +36,7 @@ from router.plan import NoWorkers, Plan, Policy
 from router.policy import make_policy, plan_for
 from router.prefix_lookup import IndexUnavailable, PrefixLookup
 from router.prompts import Prompts
+from router.pull_metrics import PullMetrics
 from router.settings import RouterSettings
 from router.speculative import SpeculativeIndex
 from router.workers import WorkerDirectory
@@ -58,6 +60,10 @@ class Gateway:
         self.policy = policy
         self.metrics = metrics
         self.registry = registry
+        # Peer pulls' costs per locality pair: learned from each pull here, priced by kv_aware
+        # (a policy that prices no pulls has no fabric of its own: they are only counted).
+        self.pulls = PullMetrics(registry, getattr(policy, "fabric", None)
+                                 or Fabric.from_settings(settings))
         self.admission = admission
         self.clients = clients or ClientGate(None)
         self.auth = auth
@@ -120,7 +126,8 @@ class Gateway:
             if self.dispatcher is None:
                 self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
                                              s.retry_backoff_s, s.kv_full_waits,
-                                             s.request_timeout_s, s.peer_pull_export_timeout_s)
+                                             s.request_timeout_s, s.peer_pull_export_timeout_s,
+                                             self.pulls)
 
             def probe(w):
                 return backends[w.backend].probe(w)

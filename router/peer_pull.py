@@ -5,8 +5,10 @@ identity holds a longer leading match of the prompt than the worker that will co
 KV tier), price pulling the difference (a fixed cost, the holder's reload of its lower-tier
 blocks, the missing bytes at the bandwidth the computing worker's pulls have measured) against
 recomputing those tokens at its prefill rate; the plan records the holder as `kv_source` only
-when pulling is predicted faster. Per-(source, destination) locality pricing is not built: one
-bandwidth per destination, as the P/D transfer is priced.
+when pulling is predicted faster. The pull is priced per (source locality, destination locality)
+pair at what that pair's pulls have measured (router/fabric.py), so a near holder with a
+shorter match can beat a far one with a longer match, and over a slow enough link the prompt is
+recomputed.
 
 Performing (`export_prefix`, called by the dispatcher): ask the holder to lease those blocks to
 the computing worker (`POST /kv/prefix-export`); its signed prefix handle travels with the compute
@@ -25,6 +27,7 @@ import aiohttp
 from common.prefix_export import PrefixExportRequest, PrefixExportResponse
 from common.protocol import KVTransferParams
 from router.backend import RequestRejected, WorkerFailure, parse, post_json
+from router.fabric import Fabric
 from router.reload_cost import price_hit
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
@@ -38,20 +41,34 @@ def computing_worker(plan) -> WorkerInfo:
     return plan.prefill if plan.prefill is not None else plan.decode
 
 
+MAX_SOURCES = 16  # holders priced for each candidate worker
+
+
 def sources(ctx) -> list[WorkerInfo]:
-    """The two Tandem workers with the longest leading matches of the prompt: the best source
-    for any worker is among them (the second, for the first itself), so pricing a pull for every
-    candidate stays O(workers)."""
+    """The holders worth pricing a pull from, for any candidate: the two Tandem workers with the
+    longest leading matches of the prompt (the best far source for any worker is among them:
+    the second, for the first itself), then the longest of each other locality (the best near
+    source), `MAX_SOURCES` at most. Pricing a pull for every candidate stays O(workers): the
+    search is over localities, not over every pair."""
     held = [w for w in (*ctx.prefill, *ctx.decode, *ctx.colocated)
             if w.backend == "tandem" and ctx.matches.get(w.worker_id, 0) > 0]
-    return heapq.nlargest(2, held, key=lambda w: ctx.matches[w.worker_id])
+    ranked = heapq.nlargest(MAX_SOURCES * 4, held, key=lambda w: ctx.matches[w.worker_id])
+    out, localities = ranked[:2], {w.locality for w in ranked[:2]}
+    for w in ranked[2:]:
+        if len(out) >= MAX_SOURCES:
+            break
+        if w.locality and w.locality not in localities:
+            out.append(w)
+            localities.add(w.locality)
+    return out
 
 
 def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo], float],
-              fleet_bw: float | None, holders) -> tuple[float, WorkerInfo | None, int]:
+              fleet_bw: float | None, holders, fabric: Fabric
+              ) -> tuple[float, WorkerInfo | None, int]:
     """(the seconds that pulling saves `c` against recomputing, the holder, the blocks of its
     priced match) for the best of `holders`; (0.0, None, 0) where no pull pays. `rate(w)`: the
-    prefill tokens/s the policy assumes for `w`."""
+    prefill tokens/s the policy assumes for `w`; each pull priced on `fabric` for its pair."""
     if c.backend != "tandem":
         return 0.0, None, 0
     held = ctx.matches.get(c.worker_id, 0)
@@ -68,7 +85,8 @@ def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo]
         num_blocks = hit.blocks - held
         if num_blocks <= 0:
             continue
-        pull_s = s.transfer_fixed_s + hit.reload_s + num_blocks * block_bytes / bandwidth
+        pull_s = hit.reload_s + fabric.pull_s(w.locality, c.locality, num_blocks * block_bytes,
+                                              bandwidth)
         gain = num_blocks * c.block_size / rate(c) - pull_s
         if gain > best[0]:
             best = (gain, w, hit.blocks)
@@ -76,15 +94,30 @@ def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo]
 
 
 def plan_peer_pull(plan, ctx, s: RouterSettings, rate: Callable[[WorkerInfo], float],
-                   fleet_bw: float | None) -> None:
+                   fleet_bw: float | None, fabric: Fabric) -> None:
     """Set `plan.kv_source` / `plan.pull_blocks` where pulling beats recomputing (see above).
     `kv_aware` already priced every candidate with its best pull (`best_pull` over `sources`);
     this records the pull for the worker it chose, searching every holder."""
     c = computing_worker(plan)
     gain, holder, num_blocks = best_pull(c, ctx, s, rate, fleet_bw,
-                                         (*ctx.prefill, *ctx.decode, *ctx.colocated))
+                                         (*ctx.prefill, *ctx.decode, *ctx.colocated), fabric)
     if holder is not None:
         plan.kv_source, plan.pull_blocks = holder, num_blocks
+
+
+def peer_held_blocks(plan, ctx) -> int:
+    """Leading blocks of the prompt that some other Tandem worker of the computing worker's
+    identity holds beyond the computing worker's own match (what a pull could have saved)."""
+    c = computing_worker(plan)
+    if c.backend != "tandem":
+        return 0
+    held = ctx.matches.get(c.worker_id, 0)
+    limit = (ctx.num_tokens - 1) // c.block_size
+    best = max((ctx.matches.get(w.worker_id, 0) for w in (*ctx.prefill, *ctx.decode,
+                                                             *ctx.colocated)
+                if w is not c and w.backend == "tandem" and w.identity == c.identity),
+               default=0)
+    return max(min(best, limit) - held, 0)
 
 
 async def export_prefix(backends: dict, plan, request_id: str, trace,

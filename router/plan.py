@@ -42,6 +42,8 @@ class Plan:
     kv_source: WorkerInfo | None = None
     pull_blocks: int = 0
     pull_hashes: list[int] = field(default_factory=list)
+    # Blocks another worker held beyond the computing worker's match (router/pull_metrics.py).
+    peer_held_blocks: int = 0
 
 
 class NoWorkers(RuntimeError):

@@ -19,7 +19,8 @@ import math
 
 from router.baseline_policies import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from router.eviction_cost import eviction_s
-from router.peer_pull import best_pull, plan_peer_pull, sources
+from router.fabric import Fabric
+from router.peer_pull import best_pull, peer_held_blocks, plan_peer_pull, sources
 from router.plan import NoWorkers, Plan, Policy, RouteContext, load_key, plan_of
 from router.reload_cost import PricedHit, price_hit
 from router.settings import RouterSettings
@@ -28,11 +29,13 @@ from router.worker_info import WorkerInfo
 
 
 class KVAwarePolicy:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, fabric: Fabric | None = None) -> None:
         self.s = settings
         self._fleet_rate: float | None = None
         self._fleet_bw: float | None = None
         self._sources: list[WorkerInfo] = []  # the prompt's best peer-pull holders
+        # Pull costs per locality pair, learned from the pulls the dispatcher sees.
+        self.fabric = fabric if fabric is not None else Fabric.from_settings(settings)
 
     def _rate(self, w: WorkerInfo) -> float:
         # Unmeasured workers are assumed as fast as the measured ones (same model everywhere).
@@ -48,7 +51,8 @@ class KVAwarePolicy:
         pulling a longer match from a peer saves, with peer pulls on), its tier reloads."""
         hit = self._hit(w, ctx)
         uncached = max(ctx.num_tokens - hit.blocks * w.block_size, 1)
-        pulled_s = best_pull(w, ctx, self.s, self._rate, self._fleet_bw, self._sources)[0]
+        pulled_s = best_pull(w, ctx, self.s, self._rate, self._fleet_bw, self._sources,
+                             self.fabric)[0]
         return (w.queued_tokens() + uncached) / self._rate(w) + hit.reload_s - pulled_s, hit
 
     def _evict_s(self, w: WorkerInfo, ctx: RouteContext, hit: PricedHit) -> float:
@@ -201,6 +205,7 @@ def _choose(policy: Policy, num_tokens: int, matches: dict[str, int], live: list
     ctx = RouteContext(num_tokens, num_blocks, matches, by_role["prefill"], by_role["decode"],
                        by_role["colocated"], block_size, media)
     plan = policy.choose(ctx)
+    plan.peer_held_blocks = peer_held_blocks(plan, ctx)
     if isinstance(policy, KVAwarePolicy) and policy.s.peer_pulls:
-        plan_peer_pull(plan, ctx, policy.s, policy._rate, policy._fleet_bw)
+        plan_peer_pull(plan, ctx, policy.s, policy._rate, policy._fleet_bw, policy.fabric)
     return plan

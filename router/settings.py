@@ -161,6 +161,21 @@ class RouterSettings(BaseSettings):
     transfer_weight: float = Field(1.0, description="weight of the predicted transfer time")
     transfer_fixed_s: float = Field(0.005, description="fixed cost of the second leg: HTTP call, "
                                     "handshake, notification")
+    # Peer pulls are priced per (source, destination) locality pair (router/fabric.py): the
+    # pair's measured rate, else its link class's seed here, else the destination's measured
+    # transfer rate (or --default-transfer-bytes-per-s).
+    link_same_node_bytes_per_s: float | None = Field(
+        None, gt=0, description="KV pull rate assumed between workers of one locality (one node: "
+        "NVLink, shared memory) until measured; none: as any transfer")
+    link_same_rack_bytes_per_s: float | None = Field(
+        None, gt=0, description="KV pull rate assumed between localities that differ in their "
+        "last level only (one rack: RDMA) until measured; none: as any transfer")
+    link_same_zone_bytes_per_s: float | None = Field(
+        None, gt=0, description="KV pull rate assumed between localities that differ in their "
+        "last two levels (one zone, across racks) until measured; none: as any transfer")
+    link_cross_zone_bytes_per_s: float | None = Field(
+        None, gt=0, description="KV pull rate assumed between localities that share less "
+        "(across zones: TCP) until measured; none: as any transfer")
     max_body_bytes: int = Field(4 << 20, description="largest request body")
     cache_salt_per_key: bool = Field(True, description="salt each API key's KV blocks apart "
                                      "(with --api-key): a key's prompts never hit another key's "

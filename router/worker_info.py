@@ -36,6 +36,7 @@ class WorkerInfo:
     backend: str = "tandem"  # router/backends.py
     block_bytes: int | None = None  # KV bytes of one block, as the worker published it
     events: str = ""  # "epoch:seq" of its last block event (common/block_events.py)
+    locality: str = ""  # where it runs, "zone/rack/node" (common/locality.py); "": not said
     # Circuit breaker and measured rates (kept across refreshes).
     failures: int = 0
     open_until: float = 0.0

@@ -137,7 +137,7 @@ class WorkerDirectory:
             w.tokenizer_path, w.started_at = reg.tokenizer_path, reg.started_at
             w.block_size, w.capacity = reg.block_size, reg.capacity
             w.max_model_len, w.block_bytes = reg.max_model_len, reg.block_bytes
-            w.vocab_size = reg.vocab_size
+            w.vocab_size, w.locality = reg.vocab_size, reg.locality
             w.report(reg.load.model_dump())  # settles what this router sent there before
             w.events = reg.events
         if time.monotonic() >= self._grace_until:

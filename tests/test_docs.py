@@ -186,7 +186,7 @@ def _registration_fields() -> set[str]:
                            kv_cache=torch.zeros(8, 2, 2, 4, 1, 8))
     state = SimpleNamespace(core=core, connector=None, started_at=0.0, served_names=["m"],
                             settings=SimpleNamespace(role="decode", url="http://h:1",
-                                                     resolved_worker_id="w"))
+                                                     resolved_worker_id="w", locality=""))
     state.model_info = lambda: WorkerState.model_info(state)
     return set(WorkerState.registration_info(state)) | {"load", "events", "signature"}
 
@@ -249,11 +249,14 @@ def _shown_metrics(marker: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def test_router_metric_names_are_the_codes():
     from common.background import BackgroundErrors
+    from router.fabric import Fabric
     from router.metrics import RouterMetrics
     from router.models import ModelCatalog
+    from router.pull_metrics import PullMetrics
 
     def build(r):
         RouterMetrics(r)
+        PullMetrics(r, Fabric())
         ModelCatalog(only=None, tokenizer_path=None, model_dir=ROOT, hash_salt=None, registry=r)
         BackgroundErrors(r)
 

@@ -92,9 +92,9 @@ async def stream_generate(
                 queue_s = (out.first_scheduled_time - out.arrival_time - transfer_s
                            if out.first_scheduled_time else 0.0)
                 timing = RequestTiming(queue_s=max(queue_s, 0.0),
-                                       transfer_s=transfer_s + pulled.seconds,
-                                       transfer_bytes=transfer_bytes + pulled.num_bytes,
+                                       transfer_s=transfer_s, transfer_bytes=transfer_bytes,
                                        num_pulled_tokens=pulled.num_tokens,
+                                       pull_bytes=pulled.num_bytes, pull_s=pulled.seconds,
                                        decode_s=time.monotonic() - t0 - transfer_s
                                        - pulled.seconds)
             yield out, timing

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.block_events import WORKER_ID_PATTERN
+from common.locality import LOCALITY_PATTERN, MAX_LOCALITY_CHARS
 from common.model_identity import check_name
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -38,6 +39,10 @@ class WorkerSettings(BaseSettings):
     port: int = Field(8100, description="HTTP port (internal API, OpenAI endpoints, /metrics)")
     advertise_host: str | None = Field(None, description="address peers and the router use to "
                                        "reach this worker (default: --host)")
+    locality: str = Field("", max_length=MAX_LOCALITY_CHARS, pattern=LOCALITY_PATTERN,
+                          description="where this worker runs, outermost first, e.g. "
+                          "zone-a/rack-3/node-7 (the chart: the zone and the node from the "
+                          "downward API); the router prices KV pulls between localities")
     redis_cluster: bool = Field(False, description="--redis-url names one node of a Redis "
                                 "Cluster (common/redis_client.py)")
     worker_id: str | None = Field(None, pattern=WORKER_ID_PATTERN, description="id in Redis "

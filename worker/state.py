@@ -196,6 +196,7 @@ class WorkerState:
             "capacity": core.num_blocks, "engine_id": s.resolved_worker_id,
             "transport": self.connector.transport.name if self.connector else "",
             "max_model_len": core.max_model_len, "started_at": self.started_at,
+            "locality": s.locality,
             # What one block costs to move: the router's kv_aware charges transfers with it.
             "block_bytes": KVLayout.of_cache(core.kv_cache, core.model_digest).bytes_per_block,
         }

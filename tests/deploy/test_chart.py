@@ -561,3 +561,22 @@ def test_kv_tiers_pass_their_flags_and_give_the_disk_tier_a_volume_of_its_own():
     plain = by_kind(render(), "Deployment")["rel-tandem-prefill"]["spec"]["template"]["spec"]
     assert not any(a.startswith(("--host-kv", "--disk-kv")) for a in plain["containers"][0]["args"])
     assert all(v["name"] != "kv-disk" for v in plain["volumes"])
+
+
+def test_workers_report_their_zone_rack_and_node_as_their_locality():
+    docs = render("--set", "decode.locality.zone=us-east-1a", "--set", "decode.locality.rack=r7")
+    validate(docs)
+    deployments = by_kind(docs, "Deployment")
+    decode = deployments["rel-tandem-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--locality=us-east-1a/r7/$(NODE_NAME)" in decode["args"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in (
+        decode["env"])
+    prefill = deployments["rel-tandem-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--locality=zone/rack/$(NODE_NAME)" in prefill["args"]
+    off = by_kind(render("--set", "prefill.locality.enabled=false"), "Deployment")
+    args = off["rel-tandem-prefill"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--locality") for a in args)
+    # A zone that is not a locality level is refused at install.
+    r = subprocess.run([HELM, "template", "rel", str(CHART), *IMAGES, "--set",
+                        "decode.locality.zone=a/b"], capture_output=True, text=True)
+    assert r.returncode != 0 and "locality" in r.stderr

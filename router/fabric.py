@@ -1,0 +1,98 @@
+"""The fabric between the workers' localities: what pulling KV from one locality into another
+costs, learned from the pulls that happen (issue 42; docs/architecture.md "Topology").
+
+Each (source locality, destination locality) pair learns two EWMAs from the peer pulls it
+carries: the fixed cost, from pulls too small to measure a bandwidth, and the bandwidth, from
+pulls of at least `MIN_BANDWIDTH_BYTES` with the fixed cost taken off. Until a pair has measured
+one, it is priced at its link class's seed (`--link-*-bytes-per-s`, common/locality.py) where
+one is set, else at what the caller knew before localities (the destination's measured transfer
+rate). A pair with a worker that reports no locality ("unknown") is never learned: it would pool
+every such link into one figure.
+
+Bounded: at most `MAX_PAIRS` pairs are remembered (the least recently learned go first), so a
+fleet of thousands of localities, or a Redis that invents them, costs bounded memory."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from common.locality import LINK_CLASSES, link_class
+
+MAX_PAIRS = 4096
+MIN_BANDWIDTH_BYTES = 1 << 20  # smaller pulls are mostly fixed cost
+MAX_FIXED_BYTES = 256 << 10  # pulls at most this big measure the fixed cost
+ALPHA = 0.3  # weight of the newest pull in each EWMA
+
+
+@dataclass
+class Link:
+    """What one (source, destination) pair has measured; None until measured."""
+
+    fixed_s: float | None = None
+    bytes_per_s: float | None = None
+    num_pulls: int = 0
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+class Fabric:
+    """Learned and seeded pull costs per locality pair (see the module's docstring)."""
+
+    def __init__(self, seeds: dict[str, float | None] | None = None, fixed_s: float = 0.005,
+                 max_pairs: int = MAX_PAIRS) -> None:
+        unknown = set(seeds or ()) - set(LINK_CLASSES)
+        if unknown:
+            raise ValueError(f"unknown link classes {sorted(unknown)}; choose from "
+                             f"{', '.join(LINK_CLASSES)}")
+        self.seeds = dict(seeds or {})
+        self.fixed_s = fixed_s
+        self.max_pairs = max_pairs
+        self._links: OrderedDict[tuple[str, str], Link] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, s) -> Fabric:
+        return cls({"same_node": s.link_same_node_bytes_per_s,
+                    "same_rack": s.link_same_rack_bytes_per_s,
+                    "same_zone": s.link_same_zone_bytes_per_s,
+                    "cross_zone": s.link_cross_zone_bytes_per_s}, s.transfer_fixed_s)
+
+    def link(self, src: str, dst: str) -> Link | None:
+        """What the pair has measured (None: nothing yet)."""
+        return self._links.get((src, dst))
+
+    def pull_s(self, src: str, dst: str, num_bytes: float, fallback_bytes_per_s: float) -> float:
+        """Predicted seconds to pull `num_bytes` from a worker at `src` into one at `dst`."""
+        link = self._links.get((src, dst))
+        fixed = link.fixed_s if link is not None and link.fixed_s is not None else self.fixed_s
+        rate = link.bytes_per_s if link is not None else None
+        if rate is None:
+            rate = self.seeds.get(link_class(src, dst)) or fallback_bytes_per_s
+        return fixed + num_bytes / rate
+
+    def learn(self, src: str, dst: str, num_bytes: int, seconds: float) -> Link | None:
+        """One pull's outcome; returns the pair's link, or None where nothing was learned (an
+        unknown locality, a pull with no bytes or no time)."""
+        if not src or not dst or num_bytes <= 0 or not 0 < seconds < 3600:
+            return None
+        key = (src, dst)
+        link = self._links.pop(key, None) or Link()
+        self._links[key] = link  # most recently learned last
+        while len(self._links) > self.max_pairs:
+            self._links.popitem(last=False)
+        link.num_pulls += 1
+        if num_bytes <= MAX_FIXED_BYTES:
+            link.fixed_s = _ewma(link.fixed_s, seconds)
+        elif num_bytes >= MIN_BANDWIDTH_BYTES:
+            fixed = link.fixed_s if link.fixed_s is not None else self.fixed_s
+            # A pull faster than the fixed cost assumed says that cost is lower: keep at least
+            # half the pull's time as transfer so one sample cannot claim an endless bandwidth.
+            moving = max(seconds - fixed, seconds / 2)
+            link.bytes_per_s = _ewma(link.bytes_per_s, num_bytes / moving)
+        return link
+
+    def links(self) -> list[tuple[str, str, Link]]:
+        """Every remembered pair, least recently learned first."""
+        return [(src, dst, link) for (src, dst), link in self._links.items()]
