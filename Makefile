@@ -57,11 +57,12 @@ demo: install
 # Two phases: most tests wait on processes and sockets, so TEST_WORKERS of them run at once (one
 # file per worker: a module's cluster stays in one process); the tests that assert timings
 # (marked serial) then run alone. Exit status 5 is "nothing collected" (a PYTEST_ARGS that
-# names only one phase's tests).
+# names only one phase's tests). The long soaks (marked soak) are run by hand: pytest -m soak.
 TEST_WORKERS ?= 3
 test: install-dev tools
 	$(BIN)/tandem prepare-model
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not vllm and not docker' \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	  -m 'not serial and not vllm and not docker and not soak' \
 	  $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/python -m pytest -m 'serial and not vllm and not docker' $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -220,3 +220,7 @@ class StreamEvent(BaseModel):
     num_cached_tokens: int | None = Field(None, ge=0, le=MAX_PROMPT_TOKENS)
     num_cached_tokens_by_medium: CachedByMedium | None = None  # on the last event, with tiers
     timing: RequestTiming | None = None
+    # A draining worker hands the stream over (docs/contract.md "Drain hand-off"): the last
+    # event, with no finish_reason, names the leading block hashes of prompt + tokens so far
+    # that it holds for the next worker to pull (router/handoff.py).
+    handoff_block_hashes: BlockHashes | None = Field(None, max_length=1 << 16)

@@ -11,8 +11,10 @@ from common.protocol import GenerateRequest, StreamEvent, TokenLogprob
 from common.streams import prepend
 from engine.engine_client import EngineDeadError
 from engine.llm_engine import RequestOutput
+from engine.output_stream import StreamEnded
 from worker.errors import APIError, api_error
 from worker.generation import stream_generate
+from worker.handoff import handoff_event
 from worker.internal_api import sampling_params
 from worker.state import WorkerState
 
@@ -25,25 +27,38 @@ def generate_router(state: WorkerState) -> APIRouter:
     async def generate(req: GenerateRequest, request: Request) -> StreamingResponse:
         params = sampling_params(req.sampling)
         sse = "text/event-stream" in request.headers.get("accept", "")
-        items = stream_generate(state, req, params)
+        items = stream_generate(state, req, params, handoff=True)
         # Surface request errors (400/503) as HTTP errors, before the stream starts.
+        handed_off = False
         try:
             first = await anext(items)
         except StopAsyncIteration:
             first = None
+        except StreamEnded:  # handed off before its first token
+            first, handed_off = None, True
         except (APIError, EngineDeadError) as e:
             state.metrics.requests.labels("generate", str(api_error(e).status)).inc()
             raise
 
         async def body():
+            emitted: list[int] = []
             try:
+                if handed_off:
+                    raise StreamEnded(req.request_id)
                 async for out, timing in prepend([first] if first else [], items):
+                    emitted.extend(out.new_token_ids)
                     ev = _event(req.request_id, out, params.logprobs is not None)
                     ev.timing = timing
                     if timing is not None and timing.num_pulled_tokens:
                         _uncount_pulled(ev, timing.num_pulled_tokens)
                     yield _frame(ev, sse, final=ev.finish_reason is not None)
                 state.metrics.requests.labels("generate", "200").inc()
+            except StreamEnded:
+                # A drain hands the stream over: the router resumes it elsewhere, pulling these
+                # blocks from here (worker/handoff.py).
+                state.metrics.requests.labels("generate", "200").inc()
+                core = state.core
+                yield _frame(handoff_event(req, emitted, core.hasher, core.block_size), sse)
             except EngineDeadError as e:
                 # Headers are sent: end the stream with an error event (the router resumes
                 # the request elsewhere), not a cut connection.

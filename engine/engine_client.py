@@ -14,7 +14,7 @@ from typing import Any
 
 from common.protocol import Tenant
 from engine.llm_engine import DuplicateRequestId, RequestOutput
-from engine.output_stream import OutputStream
+from engine.output_stream import OutputStream, StreamEnded
 from engine.sampling_params import SamplingParams
 
 
@@ -88,6 +88,8 @@ class EngineClient:
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, StreamEnded):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine failed: {item}") from item
                 yield item
@@ -98,6 +100,15 @@ class EngineClient:
             self.close_stream(request_id)
             if not finished and self.alive:
                 self.post("abort_request", request_id)
+
+    def end_stream(self, request_id: str) -> bool:
+        """End a request's stream early on purpose: its reader gets `StreamEnded` after what is
+        queued, and the request is aborted. False: no such stream."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.put(StreamEnded(request_id))
+        return True
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request (waiting, running, importing or held); its stream ends with 'abort'."""

@@ -22,6 +22,12 @@ from engine.output import RequestOutput
 log = logging.getLogger(__name__)
 
 
+class StreamEnded(Exception):
+    """Put into a stream by its worker to end it early on purpose (a drain's hand-off,
+    worker/handoff.py): the reader gets it after the outputs queued before it, and the request
+    is aborted (its computed blocks stay cached). Not an engine failure."""
+
+
 class OutputStream:
     """`post(method, *args)` runs an engine method between steps (`EngineClient.post`);
     `max_unread_tokens` None: never parked."""

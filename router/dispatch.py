@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -21,50 +20,18 @@ from common.protocol import (
     Tenant,
 )
 from router.backend import Backend, RequestRejected, TransferFailed, WorkerFailure
+from router.handoff import HandedOff, check_handoff, take_over
 from router.kv_full_retry import KVFullRetry, refused_for_kv
 from router.leg_outcomes import check_vocab, learn_bandwidth, learn_prefill_rate
 from router.local_prefill import queued_until_first, uncached_tokens
 from router.peer_pull import export_prefix, leg_pull
 from router.plan import Plan
 from router.pull_metrics import PullMetrics
+from router.trace import Trace
 from router.worker_info import WorkerInfo
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Trace:
-    """What happened to one request, for metrics and the `tandem` response field."""
-
-    plan: str
-    model: str = ""  # the served model name (metric label; resumes stay within the model)
-    client_request_id: str | None = None  # the client's X-Request-Id, for correlation only
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    num_cached_tokens: int = 0
-    # num_cached_tokens by the KV tier its blocks came from ({"device", "host", "disk"}); None
-    # when the worker that computed the prompt cached some but did not split them (a vLLM backend)
-    num_cached_tokens_by_medium: dict[str, int] | None = None
-    prefill_s: float = 0.0
-    retries: int = 0
-    resumed: int = 0
-    kv_full_retries: int = 0  # decode legs tried again after a refusal for a full KV cache
-    kv_full_waits: int = 0  # ... of which after waiting, every decode worker having refused
-    started: float = field(default_factory=time.monotonic)
-    fallback: str | None = None
-    first_token_at: float | None = None  # perf_counter() when the router had the first token
-    kv_source: str | None = None  # the peer whose prefix was pulled (router/peer_pull.py)
-    num_pulled_tokens: int = 0  # prompt tokens pulled from it (not in num_cached_tokens)
-    worker_timing: RequestTiming = field(default_factory=RequestTiming)
-
-    def record_cached(self, num_cached_tokens: int, by_medium: dict[str, int] | None) -> None:
-        """The cached prompt tokens that the worker which computed the prompt reported, and
-        their split by tier (a worker sends none when nothing was cached: all zeros then)."""
-        self.num_cached_tokens = num_cached_tokens
-        if by_medium is None and num_cached_tokens == 0:
-            by_medium = {"device": 0, "host": 0, "disk": 0}
-        self.num_cached_tokens_by_medium = dict(by_medium) if by_medium is not None else None
 
 
 class Dispatcher:
@@ -74,13 +41,14 @@ class Dispatcher:
     def __init__(self, backends: dict[str, Backend], directory: WorkerDirectory,
                  max_prefill_retries: int, retry_backoff_s: float, kv_full_waits: int = 3,
                  request_timeout_s: float = 300.0, export_timeout_s: float = 10.0,
-                 pulls: PullMetrics | None = None) -> None:
+                 pulls: PullMetrics | None = None, handoff_pulls: bool = True) -> None:
         self.backends = backends
+        self.handoff_pulls = handoff_pulls  # a drained stream's blocks pulled, not recomputed
         self.pulls = pulls  # peer pulls' outcomes: learned per locality pair, counted
         self.directory = directory
         self.max_prefill_retries = max_prefill_retries
         self.retry_backoff_s = retry_backoff_s
-        self.kv_full = KVFullRetry(self._next_decoder, kv_full_waits, request_timeout_s)
+        self.kv_full = KVFullRetry(directory.next_decoder, kv_full_waits, request_timeout_s)
         self._aborts: set[asyncio.Task] = set()
         self.export_timeout = aiohttp.ClientTimeout(total=export_timeout_s)  # peer pulls'
 
@@ -149,6 +117,7 @@ class Dispatcher:
                     if pre.finish_reason:
                         return
         tried: set[str] = set()
+        handoff: dict = {}  # a drained worker's lease for the resume leg (router/handoff.py)
         while True:
             tried.add(decode.worker_id)
             trace.decode_worker = decode.worker_id
@@ -157,13 +126,14 @@ class Dispatcher:
                 # aclosing: a client that leaves closes the worker stream now, not at GC time.
                 backend = self.backends[decode.backend]
                 leg = backend.generate(decode, request_id, prompt, sent, sampling, kv_params,
-                                       tenant, **leg_pull(prefix, plan, decode, sent))
+                                       tenant, **(handoff or leg_pull(prefix, plan, decode, sent)))
                 if kv_params is None:  # it prefills there: queued on it until its first token
                     leg = queued_until_first(
                         leg, decode, uncached_tokens(plan, decode, len(prompt) + len(sent)))
                 async with aclosing(leg) as events:
                     async for ev in events:
                         check_vocab(decode, ev.token_ids, ev.logprobs, vocab_size)
+                        check_handoff(decode, ev)
                         if trace.first_token_at is None and ev.token_ids:
                             trace.first_token_at = time.perf_counter()
                         room = sampling.max_tokens - len(sent)
@@ -179,6 +149,9 @@ class Dispatcher:
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or RequestTiming()
                             learn_bandwidth(decode, trace.worker_timing)
+                            if trace.handoff_held_tokens and ev.num_cached_tokens is not None:
+                                trace.handoff_cached_tokens = ev.num_cached_tokens
+                                trace.handoff_pulled_tokens = trace.worker_timing.num_pulled_tokens
                             if trace.plan != "disagg" and ev.num_cached_tokens is not None:
                                 trace.record_cached(ev.num_cached_tokens,
                                                     ev.num_cached_tokens_by_medium)
@@ -199,7 +172,20 @@ class Dispatcher:
                 if prefilled_on is not None:
                     self.directory.record_failure(prefilled_on)
                 raise
+            except HandedOff as h:  # drained: resumed elsewhere, pulling what it held
+                handoff = {}
+                nxt = self.directory.next_decoder(tried, trace.model)
+                if nxt is None:
+                    raise WorkerFailure(f"{h}; no other worker to resume on") from h
+                trace.resumed += 1
+                trace.handoff_held_tokens = len(h.block_hashes) * h.worker.block_size
+                request_id = f"{lease_id}.h{trace.resumed}"
+                if self.handoff_pulls:
+                    handoff = await take_over(self.backends, h, nxt, request_id,
+                                              self.export_timeout)
+                decode, kv_params = nxt, None
             except WorkerFailure as e:
+                handoff = {}  # a lease for the worker that failed is no use to the next
                 if refused_for_kv(e) and len(sent) == num_sent:  # no fault of the worker's
                     try:
                         decode, tried = await self.kv_full.next_try(e, tried, trace)
@@ -211,7 +197,7 @@ class Dispatcher:
                     continue
                 self.directory.record_failure(decode)
                 # Resume elsewhere with every token the client has: no token lost or repeated.
-                nxt = self._next_decoder(tried, trace.model)
+                nxt = self.directory.next_decoder(tried, trace.model)
                 if nxt is None:
                     raise
                 log.warning("decode on %s failed (%s); resuming on %s after %d tokens",
@@ -223,11 +209,6 @@ class Dispatcher:
                 refused = e.status in (429, 503) and len(sent) == num_sent
                 decode, kv_params = nxt, (kv_params if refused else None)
                 request_id = f"{request_id}.r{trace.resumed}"
-
-    def _next_decoder(self, tried: set[str], model: str) -> WorkerInfo | None:
-        pool = [w for w in self.directory.live(model=model or None)
-                if w.role in ("decode", "colocated") and w.worker_id not in tried]
-        return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
 
     async def _prefill_with_retries(self, plan: Plan, request_id, prompt, sampling, trace: Trace,
                                     vocab_size: int | None, tenant: Tenant | None = None,

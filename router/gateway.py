@@ -25,7 +25,7 @@ from router.backend import KVCacheFull, RequestRejected, Timeouts, TransferFaile
 from router.backends import BACKENDS
 from router.choices import Choices
 from router.clients import ClientGate
-from router.dispatch import Dispatcher, Trace
+from router.dispatch import Dispatcher
 from router.eviction_cost import note_placement
 from router.fabric import Fabric
 from router.index import INDEXES, PrefixIndex
@@ -39,6 +39,7 @@ from router.prompts import Prompts
 from router.pull_metrics import PullMetrics
 from router.settings import RouterSettings
 from router.speculative import SpeculativeIndex
+from router.trace import Trace
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Gateway:
                 self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
                                              s.retry_backoff_s, s.kv_full_waits,
                                              s.request_timeout_s, s.peer_pull_export_timeout_s,
-                                             self.pulls)
+                                             self.pulls, s.peer_pulls)
 
             def probe(w):
                 return backends[w.backend].probe(w)

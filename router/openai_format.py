@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from common.protocol import TokenLogprob
 from common.stops import find_stop
-from router.dispatch import Trace
+from router.trace import Trace
 
 TokenText = Callable[[int], str]
 
@@ -137,7 +137,10 @@ def timing_field(trace: Trace | None, t_start: float, expose_workers: bool = Fal
     return {"plan": trace.plan, "client_request_id": trace.client_request_id, **workers,
             "num_cached_tokens": trace.num_cached_tokens,
             "num_cached_tokens_by_medium": trace.num_cached_tokens_by_medium,
-            "num_pulled_tokens": trace.num_pulled_tokens, "queue_s": wt.queue_s,
+            "num_pulled_tokens": trace.num_pulled_tokens,
+            "handoff_held_tokens": trace.handoff_held_tokens,
+            "handoff_pulled_tokens": trace.handoff_pulled_tokens,
+            "handoff_cached_tokens": trace.handoff_cached_tokens, "queue_s": wt.queue_s,
             "prefill_s": trace.prefill_s, "transfer_s": wt.transfer_s,
             "transfer_bytes": wt.transfer_bytes,
             "decode_s": wt.decode_s, "total_s": time.perf_counter() - t_start,

@@ -127,10 +127,23 @@ async def export_prefix(backends: dict, plan, request_id: str, trace,
     holder = plan.kv_source
     if holder is None:
         return None
+    got = await lease_prefix(backends, holder, computing_worker(plan), f"{request_id}.prefix",
+                             plan.pull_hashes[:plan.pull_blocks], timeout)
+    if got is not None:
+        trace.kv_source = holder.worker_id
+    return got
+
+
+async def lease_prefix(backends: dict, holder: WorkerInfo, requester: WorkerInfo,
+                       lease_id: str, block_hashes: list[int],
+                       timeout: aiohttp.ClientTimeout) -> KVTransferParams | None:
+    """`holder`'s signed handle for the longest prefix of `block_hashes` it still holds,
+    leased to `requester` under `lease_id`; None where it holds none or does not answer."""
+    if not block_hashes:
+        return None
     backend = backends[holder.backend]
-    body = PrefixExportRequest(request_id=f"{request_id}.prefix",
-                               requester=computing_worker(plan).worker_id,
-                               block_hashes=list(plan.pull_hashes[:plan.pull_blocks]))
+    body = PrefixExportRequest(request_id=lease_id, requester=requester.worker_id,
+                               block_hashes=list(block_hashes))
     try:
         raw = await post_json(backend.http, holder, "/kv/prefix-export", backend.headers,
                               body.model_dump(mode="json", exclude_none=True), timeout,
@@ -138,11 +151,10 @@ async def export_prefix(backends: dict, plan, request_id: str, trace,
         resp = parse(holder, PrefixExportResponse, raw)
     except (WorkerFailure, RequestRejected) as e:
         log.info("no prefix export from %s (%s); computing the prompt", holder.worker_id, e,
-                 extra={"request_id": request_id})
+                 extra={"request_id": lease_id})
         return None
     if resp.num_blocks == 0 or resp.kv_transfer_params is None:
         return None
-    trace.kv_source = holder.worker_id
     return resp.kv_transfer_params
 
 

@@ -232,7 +232,9 @@ class RouterSettings(BaseSettings):
                                       "at most this long; 0: not counted")
     peer_pulls: bool = Field(True, description="let the worker that computes a prompt pull the "
                              "leading blocks another worker holds (any role, any KV tier) when "
-                             "that is predicted faster than recomputing them (kv_aware)")
+                             "that is predicted faster than recomputing them (kv_aware), and "
+                             "the worker that resumes a stream a drained worker handed off pull "
+                             "its blocks from it")
     peer_pull_export_timeout_s: float = Field(
         10.0, gt=0, le=300, description="how long the router waits for a holder to pin and lease "
         "a prefix for a peer pull before computing the prompt instead: the holder answers "

@@ -78,6 +78,13 @@ class WorkerDirectory:
         return [w for w in self.workers.values()
                 if (role is None or w.role == role) and w.available and w.serves(model)]
 
+    def next_decoder(self, tried: set[str], model: str) -> WorkerInfo | None:
+        """Where a stream resumes: the live decode or colocated worker of `model` not in
+        `tried` with the fewest requests; None when there is none."""
+        pool = [w for w in self.live(model=model or None)
+                if w.role in ("decode", "colocated") and w.worker_id not in tried]
+        return min(pool, key=lambda w: (w.inflight, w.running())) if pool else None
+
     async def reconcile(self) -> None:
         if self.catalog is not None:
             await self.catalog.reconcile(list(self.workers.values()))

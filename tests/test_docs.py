@@ -425,8 +425,8 @@ def test_every_metric_a_live_cluster_exports_is_in_the_contract(cluster):
 def test_tandem_field_is_the_codes():
     import json
 
-    from router.dispatch import Trace
     from router.openai_format import timing_field
+    from router.trace import Trace
 
     shown = [_ticked(r[0])[0] for r in _table(CONTRACT, "tandem-field")]
     assert shown == list(timing_field(Trace("disagg"), 0.0, expose_workers=True))

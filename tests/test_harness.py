@@ -90,9 +90,12 @@ def test_a_token_that_looks_like_a_flag_still_reaches_the_worker(tiny_folder, tm
     """A urlsafe token starting with "-" once made every worker of one test process exit
     ("--internal-token: expected one argument"): the harness passes it as --internal-token=T."""
     token = "-looks-like-a-flag-" * 2
-    w = Worker("colocated", str(tiny_folder), cache_dir=tmp_path, token=token)  # raises if it exits
+    # No drain on stop: the prefill's blocks stay leased (30 s) with nobody to pull them.
+    w = Worker("colocated", str(tiny_folder), cache_dir=tmp_path, token=token,
+               extra=["--drain-timeout-s", "0"])  # raises if it exits
     try:
         out = w.prefill("flag-token", [5, 6, 7, 8, 9], {"temperature": 0, "max_tokens": 2})
         assert out["request_id"] == "flag-token"
     finally:
         w.stop()
+        w.close()

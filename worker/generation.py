@@ -18,9 +18,10 @@ from worker.state import WorkerState
 
 
 async def stream_generate(
-    state: WorkerState, req: GenerateRequest, params: SamplingParams
+    state: WorkerState, req: GenerateRequest, params: SamplingParams, handoff: bool = False
 ) -> AsyncIterator[tuple[RequestOutput, RequestTiming | None]]:
-    """Outputs of one request, the last one with its timing."""
+    """Outputs of one request, the last one with its timing. `handoff`: a drain may end it
+    early with `StreamEnded` (worker/handoff.py; the router's streams, not a client's)."""
     state.admit()
     engine, importer = state.engine, state.parts.importer
     rid = req.request_id
@@ -34,6 +35,8 @@ async def stream_generate(
         raise api_error(e) from e
     added = False
     state.num_streams += 1
+    if handoff:
+        state.handoff.track(rid)
     try:
         # An invalid handle means a local prefill: nothing is pulled, nothing foreign is cached.
         remote = (kvp is not None and kvp.do_remote_prefill and state.connector is not None
@@ -65,7 +68,9 @@ async def stream_generate(
                 return  # aborted while pulling
         else:
             # A peer's prefix first, if the router found one (worker/peer_pull.py).
-            pulled = await pull_prefix(state, req.prefix_kv_params, rid, req.prompt_token_ids,
+            # A resume's blocks cover its tokens so far too (a drain's hand-off).
+            pulled = await pull_prefix(state, req.prefix_kv_params, rid,
+                                       [*req.prompt_token_ids, *req.output_token_ids],
                                        req.cache_salt)
             try:
                 await engine.call("add_request", rid, req.prompt_token_ids, params,
@@ -100,6 +105,7 @@ async def stream_generate(
             yield out, timing
     finally:
         state.num_streams -= 1
+        state.handoff.untrack(rid)
         engine.close_stream(rid)
         if added and engine.alive:
             engine.post("abort_request", rid)

@@ -63,6 +63,7 @@ async def pull_prefix(state: WorkerState, kvp: KVTransferParams | None, request_
     except (MemoryError, ValueError) as e:
         metrics.peer_pull_fallbacks.labels(type(e).__name__).inc()
         log.warning("no room to pull a prefix (%s)", e, extra={"request_id": request_id})
+        await _release(state, kvp, request_id)  # its lease need not wait for its deadline
         return Pulled()
     filled, num_bytes = 0, 0
     try:
@@ -74,6 +75,17 @@ async def pull_prefix(state: WorkerState, kvp: KVTransferParams | None, request_
     num_tokens = filled * core.block_size
     metrics.peer_pulled_tokens.inc(num_tokens)
     return Pulled(num_tokens, num_bytes, time.monotonic() - t0)
+
+
+async def _release(state: WorkerState, kvp: KVTransferParams, request_id: str) -> None:
+    """Tell the holder of a verified handle that nothing will be pulled: its lease ends now."""
+    try:
+        peer = await state.connector.peer(kvp.remote_engine_id,
+                                          f"http://{kvp.remote_host}:{kvp.remote_port}")
+        await state.connector.notify(peer, kvp.remote_request_id)
+    except Exception as e:  # noqa: BLE001 - best effort: the lease ends at its deadline anyway
+        log.info("could not release a peer's prefix lease (%s)", e,
+                 extra={"request_id": request_id})
 
 
 async def _fetch(state: WorkerState, kvp: KVTransferParams, request_id: str, num_here: int,

@@ -20,7 +20,7 @@ from worker.state import WorkerState
 
 async def export_prefix(state: WorkerState, req: PrefixExportRequest) -> PrefixExportResponse:
     s, connector = state.settings, state.connector
-    state.admit()  # a draining worker pins nothing new
+    state.admit_export()  # a draining worker pins nothing new, but what it hands off
     if connector is None:
         raise APIError(503, "this worker has no KV transport", "no_kv_transport")
     if req.lease_seconds is not None and req.lease_seconds > s.max_lease_seconds:

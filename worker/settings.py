@@ -53,6 +53,11 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: how long in-flight "
                                    "requests may take to finish after deregistering; the router "
                                    "resumes what is left on another worker")
+    drain_handoff: bool = Field(True, description="on SIGTERM/SIGINT, hand the streams "
+                                "running here to other workers at once: each ends with a "
+                                "hand-off event, and its KV stays here, leased to whichever "
+                                "worker the router resumes it on, until --drain-timeout-s; off: "
+                                "streams run to their end within --drain-timeout-s")
     heartbeat_ttl_s: float = Field(10.0, description="registration TTL; the router drops a worker "
                                    "this long after its last heartbeat")
     internal_token: str | None = Field(None, description="bearer token of the internal API and "

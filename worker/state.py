@@ -24,6 +24,7 @@ from kv_transfer.metrics import TransferMetrics
 from kv_transfer.transport import TransportConfig
 from kv_transfer.transports import default_transport_name
 from worker.errors import APIError
+from worker.handoff import Handoff
 from worker.metrics import WorkerMetrics
 from worker.role import RoleParts
 from worker.settings import WorkerSettings
@@ -54,6 +55,8 @@ class WorkerState:
     errors: BackgroundErrors | None = None  # built in __post_init__ on the worker's registry
     # Peer prefix handles this worker pulled with, refused if presented again (a replay).
     spent_prefix_handles: handle.SpentHandles = field(default_factory=handle.SpentHandles)
+    # The /generate streams a drain hands to other workers (worker/handoff.py).
+    handoff: Handoff = field(default_factory=Handoff)
 
     def __post_init__(self) -> None:
         if self.errors is None:
@@ -108,6 +111,12 @@ class WorkerState:
             raise APIError(503, "this worker is shutting down", "draining",
                            headers={"Retry-After": "1"})
 
+    def admit_export(self) -> None:
+        """A prefix export is refused while draining, except in a hand-off: the streams handed
+        off are resumed elsewhere by pulling their blocks from here."""
+        if not self.handoff.active:
+            self.admit()
+
     def busy(self) -> bool:
         """Work that a drain waits for: prefills and streams in flight, blocks leased to a pull."""
         leased = self.connector.leases.num_leased_blocks if self.connector is not None else 0
@@ -116,7 +125,9 @@ class WorkerState:
     async def drain(self, timeout_s: float) -> None:
         """Stop taking work, leave Redis at once (the router stops routing here within one
         refresh), then let what runs finish, for at most `timeout_s`. What is still running
-        after that is cut when the server stops, and the router resumes it elsewhere."""
+        after that is cut when the server stops, and the router resumes it elsewhere. With
+        `--drain-handoff`, the streams are handed off at once instead (worker/handoff.py), and
+        the drain lasts until their blocks have been pulled."""
         if self.draining:
             return
         self.draining, self.ready = True, False
@@ -127,7 +138,10 @@ class WorkerState:
             await publisher.close(deregister=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.busy() and loop.time() < deadline:
+        if self.settings.drain_handoff and self.engine is not None:
+            num = self.handoff.begin(self.engine.end_stream)
+            log.info("draining: %d streams handed off; their blocks stay here to be pulled", num)
+        while (self.busy() or self.handoff.waiting()) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.busy():
             log.warning("drain timeout (%.1f s): %d prefills and %d streams cut; "

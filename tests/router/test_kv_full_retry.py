@@ -17,8 +17,8 @@ import pytest
 from common.errors import OUT_OF_KV_BLOCKS
 from engine import SamplingParams
 from router.backend import KVCacheFull, WorkerFailure, check
-from router.dispatch import Trace
 from router.kv_full_retry import KVFullRetry, refused_for_kv
+from router.trace import Trace
 from router.worker_info import WorkerInfo
 from testing.cluster import Router, Worker
 from testing.metrics import series_sum

@@ -3,8 +3,8 @@ that computed the prompt reported (router/dispatch.py `Trace.record_cached`)."""
 
 from __future__ import annotations
 
-from router.dispatch import Trace
 from router.openai_format import timing_field
+from router.trace import Trace
 
 
 def test_the_split_by_tier_is_the_workers():

@@ -152,6 +152,8 @@ def test_bad_handles_fall_back_to_a_correct_local_prefill(pd, reference, fake, h
     assert last["timing"]["transfer_bytes"] == 0
     assert fallbacks(d, "invalid_handle") == before + 1
     assert fake.hits == []  # never contacted
+    if how != "expired":  # P's export was never pulled: released now, not at its lease's end
+        assert p.client.post(f"/abort/{pre['request_id']}").json()["aborted"]
     wait_leases_free(p)
 
 
@@ -202,6 +204,8 @@ def test_a_peer_cannot_take_over_an_engine_id(tcp_pd, reference, fake):
                           pre2["kv_transfer_params"])
     assert tokens == expected(reference, prompt2)
     assert last["timing"]["transfer_bytes"] > 0  # pulled, from the real engine
+    # The hijack's export was never pulled: released now, not at its lease's end.
+    assert p.client.post(f"/abort/{pre['request_id']}").json()["aborted"]
     wait_leases_free(p)
 
 
