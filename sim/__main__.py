@@ -91,13 +91,16 @@ def summarize(requests: list[SimRequest], cluster: Cluster, slo_ttft_s: float,
 def simulate(profile, num_prefill: int, num_decode: int, policy: str, sessions: list[SimSession], *,
              rate: float | None = None, concurrency: int | None = None, slo=(1.0, 0.1),
              tiers: str = "off", block_tokens: int | None = None,
-             route_candidates: int | None = None) -> dict:
+             route_candidates: int | None = None, peer_pulls: bool = False) -> dict:
     cluster = Cluster(profile, num_prefill, num_decode, policy, tiers=tiers,
-                      block_tokens=block_tokens, route_candidates=route_candidates)
+                      block_tokens=block_tokens, route_candidates=route_candidates,
+                      peer_pulls=peer_pulls)
     # Only the prompts' lengths are summarized: let each go once done (30k-token contexts).
     driver = Driver(cluster, sessions, rate=rate, concurrency=concurrency, keep_prompts=False)
     cluster.clock.run()
-    return summarize(driver.requests, cluster, *slo)
+    return {**summarize(driver.requests, cluster, *slo), "peer_pulls": peer_pulls,
+            "pulls": cluster.pulls.num_pulls, "pulled_tokens": cluster.pulls.num_pulled_tokens,
+            "pulled_tokens_by_link": dict(cluster.pulls.pulled_by_link)}
 
 
 def sweep(args) -> dict:
@@ -125,7 +128,8 @@ def sweep(args) -> dict:
                     s = simulate(profile, num_p, num_d, policy, sessions, rate=rate,
                                  slo=(args.slo_ttft, args.slo_itl), tiers=tiers,
                                  block_tokens=args.block_tokens,
-                                 route_candidates=args.route_candidates)
+                                 route_candidates=args.route_candidates,
+                                 peer_pulls=args.peer_pulls)
                     row = {"workers": size, "prefill": num_p, "decode": num_d, "policy": policy,
                            "tiers": tiers, "sessions": num_sessions, "session_rate": rate, **s,
                            "sim_wall_s": time.perf_counter() - t0,
@@ -143,8 +147,9 @@ def sweep(args) -> dict:
             "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}, "rows": rows}
 
 
-SHOWN = ("workers", "prefill", "decode", "policy", "tiers", "hit_ratio", "hit_ratio_by_tier",
-         "prompt_tokens_recomputed", "ttft_s", "itl_s", "goodput_rps", "sim_wall_s", "sim_cpu_s")
+SHOWN = ("workers", "prefill", "decode", "policy", "tiers", "peer_pulls", "hit_ratio",
+         "hit_ratio_by_tier", "prompt_tokens_recomputed", "pulled_tokens", "ttft_s", "itl_s",
+         "goodput_rps", "sim_wall_s", "sim_cpu_s")
 
 
 def cmd_sweep(args) -> int:
@@ -255,6 +260,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     sw.add_argument("--route-candidates", type=int, default=None,
                     help="the policy chooses among the workers holding a match and this many "
                          "others of each role drawn at random: sim/coarsening.py")
+    sw.add_argument("--peer-pulls", action="store_true",
+                    help="the policy plans peer prefix pulls and the workers make them, over "
+                    "links priced by locality (the profile's workers_per_node, nodes_per_rack, "
+                    "*_bytes_per_s)")
     sw.add_argument("--out", default="sim_sweep.json", help="file name under bench/results/")
     sw.set_defaults(func=cmd_sweep)
     from sim.autoscale import add_flags

@@ -67,6 +67,26 @@ class CostProfile:
     # From a new worker's start to its first request (model load plus graph capture; tens of
     # seconds on GPUs): what scaling up waits for (`python -m sim autoscale`).
     startup_s: float = 0.0
+    # Peer prefix pulls (`python -m sim sweep --peer-pulls`): workers fill nodes of
+    # `workers_per_node` in order, nodes fill racks of `nodes_per_rack` (locality
+    # "z/r<rack>/n<node>"), and a pull between two workers moves at its link's rate (None: at
+    # `link_bytes_per_s`, as a P/D transfer), after `link_latency_s`.
+    workers_per_node: int = 8
+    nodes_per_rack: int = 4
+    same_node_bytes_per_s: float | None = None
+    same_rack_bytes_per_s: float | None = None
+    cross_rack_bytes_per_s: float | None = None
+
+    def locality(self, index: int) -> str:
+        """Where the fleet's `index`-th worker runs."""
+        node = index // self.workers_per_node
+        return f"z/r{node // self.nodes_per_rack}/n{node}"
+
+    def pull_s(self, num_blocks: int, link: str) -> float:
+        """Pulling `num_blocks` over a link of class `link` (common/locality.py)."""
+        rate = {"same_node": self.same_node_bytes_per_s,
+                "same_rack": self.same_rack_bytes_per_s}.get(link, self.cross_rack_bytes_per_s)
+        return self.link_latency_s + num_blocks * self.block_bytes / (rate or self.link_bytes_per_s)
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * max(batch - 1, 0)

@@ -39,6 +39,7 @@ from router.worker_info import WorkerInfo
 from sim.coarsening import CandidateSample, coarsen
 from sim.fleet_cache import FleetCache
 from sim.host import Clock, Host, Thread
+from sim.peer_pulls import SimPulls
 from sim.profile import CostProfile
 from sim.request import SimRequest
 from sim.worker import SimWorker
@@ -57,9 +58,11 @@ class Cluster:
     def __init__(self, profile: CostProfile, num_prefill: int, num_decode: int,
                  policy: str = "kv_aware", num_colocated: int = 0,
                  settings: RouterSettings | None = None, tiers: str = "off",
-                 block_tokens: int | None = None, route_candidates: int | None = None) -> None:
+                 block_tokens: int | None = None, route_candidates: int | None = None,
+                 peer_pulls: bool = False) -> None:
         """`block_tokens`, `route_candidates`: the explicit coarsenings of sim/coarsening.py
-        (None: exact)."""
+        (None: exact). `peer_pulls`: the policy plans peer prefix pulls and the workers make
+        them (sim/peer_pulls.py), each worker at its profile locality."""
         # The router's hashing and lookup are priced at the profile's own block size, whatever
         # size the cache is simulated at.
         self._lookup_profile = profile
@@ -69,10 +72,9 @@ class Cluster:
         self._fleet: tuple = ()  # the workers `_live` last listed
         self.profile = profile
         self.clock = Clock()
-        # Simulated workers pull no prefix from a peer: the policy must not plan such pulls.
         self.settings = settings or RouterSettings(block_size=profile.block_size,
                                                    bytes_per_block=profile.block_bytes,
-                                                   policy_seed=0, peer_pulls=False)
+                                                   policy_seed=0, peer_pulls=peer_pulls)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
         self.index = FleetCache.for_tiers(tiers, profile.num_blocks, profile.host_blocks,
@@ -84,9 +86,12 @@ class Cluster:
             for i in range(n):
                 info = WorkerInfo(f"{role}-{i}", role, f"sim://{role}-{i}",
                                   block_size=profile.block_size, capacity=profile.num_blocks,
-                                  block_bytes=profile.block_bytes)
+                                  block_bytes=profile.block_bytes,
+                                  locality=profile.locality(len(self.workers)))
                 self.workers.append(SimWorker(self, info))
         self.by_id = {w.info.worker_id: w for w in self.workers}
+        self.pulls = SimPulls(self.clock, profile, self.by_id, getattr(self.policy, "fabric",
+                                                                       None))
         self.router_thread = Thread(self.host) if self.host else None
         self.client_thread = Thread(self.host) if self.host else None
         self._rng = random.Random(0)
@@ -181,7 +186,8 @@ class Cluster:
         d.info.inflight += 1
         hop = self.profile.router_hop_s
         if plan.kind != "disagg":
-            self.compute(hop, d.prefill_locally, req, thread=self.router_thread)
+            self.pulls.before(plan, req, lambda: self.compute(hop, d.prefill_locally, req,
+                                                              thread=self.router_thread))
             return
         p = self.by_id[plan.prefill.worker_id]
         uncached = req.num_prompt_tokens - plan.cached_blocks * self.profile.block_size
@@ -217,4 +223,5 @@ class Cluster:
             t += self.profile.reload_s(held.host, held.disk)
             self.compute(hop, self.clock.after, t, d.join, r, thread=self.router_thread)
 
-        self.compute(hop, p.submit_prefill, req, prefilled, thread=self.router_thread)
+        self.pulls.before(plan, req, lambda: self.compute(hop, p.submit_prefill, req, prefilled,
+                                                          thread=self.router_thread))

@@ -45,10 +45,11 @@ def _wait_until(check, timeout: float, what: str) -> None:
     pytest.fail(f"not within {timeout} s: {what}")
 
 
-@pytest.fixture
-def cluster_2p2d(tiny_folder, tmp_path):
+@pytest.fixture(scope="module")
+def cluster_2p2d(tiny_folder, tmp_path_factory):
+    """One 2P+2D cluster for the module: a test that stops a worker starts it again."""
     ns = f"roll-{uuid.uuid4().hex[:8]}"
-    with two_by_two(tiny_folder, tmp_path, ns) as (router, workers):
+    with two_by_two(tiny_folder, tmp_path_factory.mktemp("roll"), ns) as (router, workers):
         yield router, workers, ns
 
 
@@ -56,11 +57,16 @@ def test_sigterm_deregisters_at_once_and_exits_zero(cluster_2p2d):
     router, workers, ns = cluster_2p2d
     d = workers[2]
     key = RedisKeys(ns).worker(d.worker_id)
-    assert _redis().exists(key)
-    d.proc.send_signal(signal.SIGTERM)
-    _wait_until(lambda: not _redis().exists(key), 3.0, "the registration deleted")
-    assert d.proc.wait(30) == 0
-    assert "Traceback" not in Path(d.log.name).read_text()
+    try:
+        assert _redis().exists(key)
+        d.proc.send_signal(signal.SIGTERM)
+        _wait_until(lambda: not _redis().exists(key), 3.0, "the registration deleted")
+        assert d.proc.wait(30) == 0
+        assert "Traceback" not in Path(d.log.name).read_text()
+    finally:  # the cluster whole again for the next test (same port: same id)
+        if d.proc.poll() is not None:
+            d.restart()
+            router.wait_workers(4)
 
 
 def test_rolling_restart_under_streaming_load_loses_nothing(cluster_2p2d):
