@@ -1,7 +1,8 @@
 """Peer pulls priced per locality pair over a real rate-limited link (issue 42, "Topology"): a
 prefill worker and a near decode worker on this host (one rack), a far decode worker in a
 network namespace behind a veth pair shaped to 80 Mbit/s with `tc` (another rack), SmolLM2 on
-all three (real KV sizes: 184 KB a 4-token block), every request disaggregated.
+all three (real KV sizes: 184 KB a 4-token block, so a ~160-token prefix is ~7 MB, most of a
+second on the link), every request disaggregated.
 
 - With a near and a far holder of the same prefix, the prefill worker pulls from the near one.
 - With only the far holder, the first pull crosses the slow link; the router learns that pair's
@@ -95,13 +96,13 @@ def test_pulls_follow_the_fabric(smollm2_folder, tmp_path):
             return r.metrics().get(f"{name}{{{want}}}" if labels else name, 0.0)
 
         # 1. Both decode workers hold A; the prefill worker pulls it from the near one.
-        a = tok(words(1, 60))["input_ids"]
+        a = tok(words(1, 14))["input_ids"]
         hold([near, far], a)
         t = ask(a + tok(" Now summarise item seven.")["input_ids"])
         assert t["kv_source"] == near.worker_id and t["num_pulled_tokens"] >= len(a) - 8, t
 
         # 2. Only the far worker holds B: the pull crosses the 80 Mbit/s link, and is learned.
-        b = tok(words(2, 60))["input_ids"]
+        b = tok(words(2, 14))["input_ids"]
         hold([far], b)
         t = ask(b + tok(" Now summarise item three.")["input_ids"])
         assert t["kv_source"] == far.worker_id and t["num_pulled_tokens"] >= len(b) - 8, t
@@ -114,7 +115,7 @@ def test_pulls_follow_the_fabric(smollm2_folder, tmp_path):
         # than recomputing, so the prefill worker computes it all.
         recomputed = metric("tandem_router_peer_held_recomputed_tokens_total",
                             model=smollm2_folder.name)
-        c = tok(words(3, 60))["input_ids"]
+        c = tok(words(3, 14))["input_ids"]
         hold([far], c)
         t = ask(c + tok(" Now summarise item five.")["input_ids"])
         assert t["kv_source"] is None and t["num_pulled_tokens"] == 0, t
