@@ -1,10 +1,13 @@
 """The fabric between the workers' localities: what pulling KV from one locality into another
 costs, learned from the pulls that happen (issue 42; docs/architecture.md "Topology").
 
-Each (source locality, destination locality) pair learns two EWMAs from the peer pulls it
-carries: the fixed cost, from pulls too small to measure a bandwidth, and the bandwidth, from
-pulls of at least `MIN_BANDWIDTH_BYTES` with the fixed cost taken off. Until a pair has measured
-one, it is priced at its link class's seed (`--link-*-bytes-per-s`, common/locality.py) where
+Each (source locality, destination locality) pair learns from the peer pulls it carries, each
+timed as the request felt it (the holder's export and the puller's pull, engine-step waits at
+both ends included): its bandwidth as the fastest recent pull of at least `MIN_BANDWIDTH_BYTES`
+went (a rate a pull reached is one the link has; a slower one was slowed by something else, so
+the estimate rises at once and decays slowly), and its fixed cost as an EWMA of what each pull
+took beyond moving its bytes at that rate. Until a pair has measured a bandwidth, it is priced
+at its link class's seed (`--link-*-bytes-per-s`, common/locality.py) where
 one is set, else at what the caller knew before localities (the destination's measured transfer
 rate). A pair with a worker that reports no locality ("unknown") is never learned: it would pool
 every such link into one figure.
@@ -21,8 +24,8 @@ from common.locality import LINK_CLASSES, link_class
 
 MAX_PAIRS = 4096
 MIN_BANDWIDTH_BYTES = 1 << 20  # smaller pulls are mostly fixed cost
-MAX_FIXED_BYTES = 256 << 10  # pulls at most this big measure the fixed cost
-ALPHA = 0.3  # weight of the newest pull in each EWMA
+ALPHA = 0.3  # weight of the newest pull in the fixed cost's EWMA
+DECAY = 0.05  # how far a slower pull pulls the bandwidth down (a faster one sets it at once)
 
 
 @dataclass
@@ -83,14 +86,14 @@ class Fabric:
         while len(self._links) > self.max_pairs:
             self._links.popitem(last=False)
         link.num_pulls += 1
-        if num_bytes <= MAX_FIXED_BYTES:
-            link.fixed_s = _ewma(link.fixed_s, seconds)
-        elif num_bytes >= MIN_BANDWIDTH_BYTES:
-            fixed = link.fixed_s if link.fixed_s is not None else self.fixed_s
-            # A pull faster than the fixed cost assumed says that cost is lower: keep at least
-            # half the pull's time as transfer so one sample cannot claim an endless bandwidth.
-            moving = max(seconds - fixed, seconds / 2)
-            link.bytes_per_s = _ewma(link.bytes_per_s, num_bytes / moving)
+        if num_bytes >= MIN_BANDWIDTH_BYTES:
+            rate = num_bytes / seconds  # the link moved at least this fast
+            link.bytes_per_s = rate if link.bytes_per_s is None else max(
+                rate, (1 - DECAY) * link.bytes_per_s + DECAY * rate)
+        if link.bytes_per_s is not None:
+            link.fixed_s = _ewma(link.fixed_s, max(seconds - num_bytes / link.bytes_per_s, 0.0))
+        elif num_bytes < MIN_BANDWIDTH_BYTES:
+            link.fixed_s = _ewma(link.fixed_s, seconds)  # a small pull: mostly fixed cost
         return link
 
     def links(self) -> list[tuple[str, str, Link]]:

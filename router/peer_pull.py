@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -127,8 +128,11 @@ async def export_prefix(backends: dict, plan, request_id: str, trace,
     holder = plan.kv_source
     if holder is None:
         return None
+    t0 = time.monotonic()
     got = await lease_prefix(backends, holder, computing_worker(plan), f"{request_id}.prefix",
                              plan.pull_hashes[:plan.pull_blocks], timeout)
+    # Part of the pull's cost: the holder answers between two of its engine steps.
+    trace.export_s = time.monotonic() - t0
     if got is not None:
         trace.kv_source = holder.worker_id
     return got

@@ -33,6 +33,7 @@ class Trace:
     first_token_at: float | None = None  # perf_counter() when the router had the first token
     kv_source: str | None = None  # the peer whose prefix was pulled (router/peer_pull.py)
     num_pulled_tokens: int = 0  # prompt tokens pulled from it (not in num_cached_tokens)
+    export_s: float = 0.0  # how long the holder took to lease them (router/peer_pull.py)
     handoff_held_tokens: int = 0  # what a drained worker said it held for the resume leg
     handoff_pulled_tokens: int = 0  # ... what that leg pulled from it
     handoff_cached_tokens: int = 0  # ... and what its worker had cached already
