@@ -21,6 +21,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -234,14 +235,23 @@ def run(shapes: list[str], device: str, quick: bool, out: Path) -> dict:
         result["seconds"] = round(time.perf_counter() - t0, 1)
         write_result(out, result)
 
-    with tempfile.TemporaryDirectory(prefix="tandem-engine-bench-") as workdir:
+    each_shape(shapes, "tandem-engine-bench-", device, result, report,
+               lambda shape, i, workdir: bench_shape(shape, device, sizes, workdir,
+                                                     with_fidelity=i == 0, report=report))
+    return result
+
+
+def each_shape(shapes: list[str], prefix: str, device: str, result: dict, report,
+               run: Callable[[str, int, Path], None]) -> None:
+    """`run(shape, index, workdir)` for each model shape in turn, in one scratch folder: a shape
+    whose build or run fails is reported with its error and the next is tried, and each shape's
+    engine, graphs and cache go before the next is built."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
         for i, shape in enumerate(shapes):
             try:
-                bench_shape(shape, device, sizes, Path(workdir), with_fidelity=i == 0,
-                            report=report)
+                run(shape, i, Path(workdir))
             except Exception as e:  # noqa: BLE001 - the build failed: report it, try the next
                 report(shape, {**result["shapes"].get(shape, {}), "error": repr(e)[:2000]})
-            gc.collect()  # the shape's engine, graphs and cache go before the next is built
+            gc.collect()
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    return result

@@ -19,10 +19,8 @@ the sampling path through the overlap in seconds, not the kernels.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -30,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_fidelity import set_mode
-from bench.engine_gpu import QUICK, Prompts, Sizes, build, steady_steps
+from bench.engine_gpu import QUICK, Prompts, Sizes, build, each_shape, steady_steps
 from bench.engine_profile import overlapped_steps, sync
 from bench.provenance import write_result
 
@@ -175,13 +173,7 @@ def run(shapes: list[str], device: str, quick: bool, modes: list[str], out: Path
         result["seconds"] = round(time.perf_counter() - t0, 1)
         write_result(out, result)
 
-    with tempfile.TemporaryDirectory(prefix="tandem-decode-bench-") as workdir:
-        for shape in shapes:
-            try:
-                bench_shape(shape, device, sizes, arrivals, modes, Path(workdir), report)
-            except Exception as e:  # noqa: BLE001 - the build failed: report it, try the next
-                report(shape, {**result["shapes"].get(shape, {}), "error": repr(e)[:2000]})
-            gc.collect()  # the shape's engine, graphs and cache go before the next is built
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    each_shape(shapes, "tandem-decode-bench-", device, result, report,
+               lambda shape, _, workdir: bench_shape(shape, device, sizes, arrivals, modes,
+                                                     workdir, report))
     return result
