@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
-from sim.__main__ import parse, sweep  # noqa: E402
+from sim.__main__ import parse  # noqa: E402
+from sim.sweep import sweep  # noqa: E402
 
 AGENTIC = ["--profile-file", str(ROOT / "sim" / "profiles" / "h200-llama3-8b.json"),
            "--ratios", "1:3", "--sessions-per-worker", "37.5", "--turns", "6",

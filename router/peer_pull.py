@@ -2,12 +2,11 @@
 
 Planning (`plan_peer_pull`, called on `kv_aware`'s plan): when another Tandem worker of the same
 identity holds a longer leading match of the prompt than the worker that will compute it (in any
-KV tier), price pulling the difference (a fixed cost, the holder's reload of its lower-tier
-blocks, the missing bytes at the bandwidth the computing worker's pulls have measured) against
-recomputing those tokens at its prefill rate; the plan records the holder as `kv_source` only
-when pulling is predicted faster. The pull is priced per (source locality, destination locality)
-pair at what that pair's pulls have measured (router/fabric.py), so a near holder with a
-shorter match can beat a far one with a longer match, and over a slow enough link the prompt is
+KV tier), price pulling the difference (the holder's reload of its lower-tier blocks, then the
+pull on the link between the two workers' localities, at what that pair's pulls have cost:
+router/fabric.py) against recomputing those tokens at its prefill rate; the plan records the
+holder as `kv_source` only when pulling is predicted faster. So a near holder with a shorter
+match can beat a far one with a longer match, and over a slow enough link the prompt is
 recomputed.
 
 Performing (`export_prefix`, called by the dispatcher): ask the holder to lease those blocks to
@@ -34,7 +33,6 @@ from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
-
 
 
 def computing_worker(plan) -> WorkerInfo:

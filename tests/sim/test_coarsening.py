@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 
 from router.tiered_match import MatchByMedium
-from sim.__main__ import simulate
 from sim.coarsening import CandidateSample, coarsen
 from sim.fleet_cache import StoreOrder
 from sim.profile import CostProfile
 from sim.simulator import Cluster
+from sim.sweep import simulate
 from sim.workload import Driver, LazySessions, TokenDraws, multi_turn
 
 PROFILE = CostProfile(prefill_tokens_per_s=1000.0, prefill_fixed_s=0.01, decode_step_base_s=0.02,

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from sim.__main__ import main as sim_main
-from sim.__main__ import simulate
 from sim.profile import CostProfile, load
 from sim.simulator import Cluster, SimRequest
+from sim.sweep import simulate
 from sim.workload import Driver, SimSession, multi_turn
 
 PROFILE = CostProfile(prefill_tokens_per_s=1000.0, prefill_fixed_s=0.01, decode_step_base_s=0.02,

@@ -11,10 +11,10 @@ import pytest
 
 from router.tiered_match import MatchByMedium
 from sim.__main__ import main as sim_main
-from sim.__main__ import simulate
 from sim.fleet_cache import FleetCache
 from sim.profile import CostProfile
 from sim.simulator import Cluster, SimRequest
+from sim.sweep import simulate
 from sim.workload import Driver, multi_turn
 
 # A device of 60 blocks per worker: the workload below overflows it many times over.
