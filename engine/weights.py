@@ -100,6 +100,27 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
                 param.normal_(0.0, param.shape[1] ** -0.5, generator=gen)
 
 
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give each parameter and buffer of a model built on the meta device uninitialized storage
+    on `device`, floating point ones in `dtype`: what `model.to(dtype).to_empty(device=device)`
+    does, without running the meta device's Python kernels, which import sympy and torch.fx
+    (a third of a second of every worker's start; tests/engine/test_model_init.py)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor shared by two modules stays shared
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, device=device,
+                                      dtype=dtype if t.is_floating_point() else t.dtype)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(empty(param),
+                                                          requires_grad=param.requires_grad)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = empty(buffer)
+
+
 def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device,
                dtype: torch.dtype, pack_weights: bool, load_format: str = "auto",
                seed: int = 0) -> LlamaForCausalLM:
@@ -110,7 +131,7 @@ def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch
                          f"got {load_format!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    materialize(model, device, dtype)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
