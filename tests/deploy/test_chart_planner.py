@@ -4,11 +4,12 @@ validated like the rest of the chart (tests/deploy/test_chart.py)."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 
 import pytest
 
-from tests.deploy.test_chart import CHART, HELM, IMAGES, by_kind, render, validate
+from tests.deploy.test_chart import CHART, HELM, IMAGES, by_kind, render, validate, validate_custom
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (run `make tools`)")
 
@@ -48,6 +49,13 @@ def test_planner_autoscaling_follows_the_routers_desired_replicas_per_pool():
             "--slo-itl=0.05"} <= set(router_args)
     settings = build_parser().parse_args(["router", *router_args])
     assert settings.slo_itl == 0.05 and settings.planner_max_decode == 12
+
+    # The ScaledObjects were checked against KEDA's CRD above; that check refuses what KEDA would.
+    for field, value in (("maxReplicaCnt", 3), ("maxReplicaCount", "many")):
+        wrong = copy.deepcopy(scaled["rel-tandem-decode"])
+        wrong["spec"][field] = value
+        with pytest.raises((AssertionError, ValueError)):
+            validate_custom(wrong)
 
     vllm = by_kind(render("--set", "planner.autoscaling.enabled=true", "--set", "engine=vllm"),
                    "ScaledObject")
