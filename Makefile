@@ -61,7 +61,7 @@ demo: install
 TEST_WORKERS ?= 3
 test: install-dev tools
 	$(BIN)/tandem prepare-model
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  -m 'not serial and not vllm and not docker and not soak' \
 	  $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/python -m pytest -m 'serial and not vllm and not docker' $(PYTEST_ARGS) || [ $$? -eq 5 ]

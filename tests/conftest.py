@@ -1,7 +1,14 @@
+import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
+
+# Each test file's time in the last recorded run (setup, call and teardown of its tests, in
+# seconds): `make test` starts the longest files first, so that none becomes the run's tail.
+FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
+_recorded: Counter = Counter()
 
 
 def _cuda_available() -> bool:
@@ -19,16 +26,45 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-file-durations", action="store_true",
+                     help=f"write each test file's time in this run to {FILE_DURATIONS.name} "
+                          "(files not run keep theirs)")
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
-    # The files marked slow first: with a file per test process, the longest start at once
-    # instead of becoming the run's tail.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # The longest files first (a file runs in one test process: --dist loadfile, with xdist's
+    # own reordering by test count turned off in the Makefile): longest-first keeps the run's
+    # end from waiting on one long file. A file not yet recorded counts as a slow one when it
+    # has a test marked slow.
+    seconds = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+    slow = {_file(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: -seconds.get(_file(item.nodeid),
+                                             30.0 if _file(item.nodeid) in slow else 1.0))
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; the CPU twin of this test runs instead")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    _recorded[_file(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session):
+    # Under xdist the controller sees every test's reports; its workers do not write.
+    config = session.config
+    if not config.getoption("--record-file-durations") or hasattr(config, "workerinput"):
+        return
+    seconds = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+    seconds.update({f: round(s, 1) for f, s in _recorded.items()})
+    FILE_DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")
