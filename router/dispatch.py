@@ -149,6 +149,10 @@ class Dispatcher:
                         if ev.finish_reason is not None:
                             trace.worker_timing = ev.timing or RequestTiming()
                             learn_bandwidth(decode, trace.worker_timing)
+                            if self.pulls is not None and prefilled_on is not None:
+                                self.pulls.transfer(prefilled_on, decode,
+                                                    trace.worker_timing.transfer_bytes,
+                                                    trace.worker_timing.transfer_s)
                             if trace.handoff_held_tokens and ev.num_cached_tokens is not None:
                                 trace.handoff_cached_tokens = ev.num_cached_tokens
                                 trace.handoff_pulled_tokens = trace.worker_timing.num_pulled_tokens

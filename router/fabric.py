@@ -9,8 +9,10 @@ the estimate rises at once and decays slowly), and its fixed cost as an EWMA of 
 took beyond moving its bytes at that rate. Until a pair has measured a bandwidth, it is priced
 at its link class's seed (`--link-*-bytes-per-s`, common/locality.py) where
 one is set, else at what the caller knew before localities (the destination's measured transfer
-rate). A pair with a worker that reports no locality ("unknown") is never learned: it would pool
-every such link into one figure.
+rate). A worker that reports no locality is its own endpoint (`endpoint`: "#" and its id), so
+its peer pulls are learned per worker pair instead of pooling every such link into one figure
+(a CPU cluster started without localities learns that its pulls wait on engine steps); such a
+pair has no link class, so no seed.
 
 Bounded: at most `MAX_PAIRS` pairs are remembered (the least recently learned go first), so a
 fleet of thousands of localities, or a Redis that invents them, costs bounded memory."""
@@ -35,6 +37,16 @@ class Link:
     fixed_s: float | None = None
     bytes_per_s: float | None = None
     num_pulls: int = 0
+
+
+def endpoint(w) -> str:
+    """What the fabric keys a worker's side of a pull by: its locality, or "#" and its worker id
+    where it gave none ("#" is never in a locality, common/locality.py)."""
+    return w.locality or f"#{w.worker_id}"
+
+
+def _link_class(src: str, dst: str) -> str:
+    return "unknown" if src.startswith("#") or dst.startswith("#") else link_class(src, dst)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -72,12 +84,12 @@ class Fabric:
         fixed = link.fixed_s if link is not None and link.fixed_s is not None else self.fixed_s
         rate = link.bytes_per_s if link is not None else None
         if rate is None:
-            rate = self.seeds.get(link_class(src, dst)) or fallback_bytes_per_s
+            rate = self.seeds.get(_link_class(src, dst)) or fallback_bytes_per_s
         return fixed + num_bytes / rate
 
     def learn(self, src: str, dst: str, num_bytes: int, seconds: float) -> Link | None:
         """One pull's outcome; returns the pair's link, or None where nothing was learned (an
-        unknown locality, a pull with no bytes or no time)."""
+        empty endpoint, a pull with no bytes or no time)."""
         if not src or not dst or num_bytes <= 0 or not 0 < seconds < 3600:
             return None
         key = (src, dst)

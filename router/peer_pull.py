@@ -27,7 +27,7 @@ import aiohttp
 from common.prefix_export import PrefixExportRequest, PrefixExportResponse
 from common.protocol import KVTransferParams
 from router.backend import RequestRejected, WorkerFailure, parse, post_json
-from router.fabric import Fabric
+from router.fabric import Fabric, endpoint
 from router.reload_cost import price_hit
 from router.settings import RouterSettings
 from router.worker_info import WorkerInfo
@@ -84,7 +84,7 @@ def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo]
         num_blocks = hit.blocks - held
         if num_blocks <= 0:
             continue
-        pull_s = hit.reload_s + fabric.pull_s(w.locality, c.locality, num_blocks * block_bytes,
+        pull_s = hit.reload_s + fabric.pull_s(endpoint(w), endpoint(c), num_blocks * block_bytes,
                                               bandwidth)
         gain = num_blocks * c.block_size / rate(c) - pull_s
         if gain > best[0]:

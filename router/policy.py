@@ -27,6 +27,9 @@ from router.settings import RouterSettings
 from router.tiered_match import MatchByMedium
 from router.worker_info import WorkerInfo
 
+# Prefill localities a disaggregated plan is priced from: each costs a pass over the decode pool.
+MAX_PREFILL_LOCALITIES = 4
+
 
 class KVAwarePolicy:
     def __init__(self, settings: RouterSettings, fabric: Fabric | None = None) -> None:
@@ -89,8 +92,8 @@ class KVAwarePolicy:
         self._fleet_bw = sum(bws) / len(bws) if bws else None
         self._sources = sources(ctx) if s.peer_pulls else []
         local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
-        # (weighted transfer seconds + eviction on the decode worker, decode worker, eviction)
-        transfer: list[tuple[float, WorkerInfo, float]] = []
+        # (decode worker, KV bytes it would pull, its tier reloads, eviction cost there)
+        moves: list[tuple[WorkerInfo, int, float, float]] = []
         others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
             hit, size = self._hit(d, ctx), d.block_size
@@ -106,27 +109,26 @@ class KVAwarePolicy:
                               plan_of("decode_local", d, None, t_local, hit)))
             else:
                 others.append(d)
-            # Missing full blocks plus the partial tail block always move, at the bandwidth this
-            # decode worker's pulls have measured (the fleet's, or the setting, until then); the
-            # blocks it holds in a lower tier are reloaded there.
+            # Missing full blocks plus the partial tail block always move; the blocks it holds in
+            # a lower tier are reloaded there.
             missing = max(ctx.num_tokens // size - held, 0) + (ctx.num_tokens % size > 0)
-            bandwidth = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
-            transfer_s = (s.transfer_fixed_s + hit.reload_s
-                          + missing * (d.block_bytes or s.bytes_per_block) / bandwidth)
-            evict_d = self._evict_s(d, ctx, hit)
-            transfer.append((s.transfer_weight * transfer_s + evict_d, d, evict_d))
+            moves.append((d, missing * (d.block_bytes or s.bytes_per_block), hit.reload_s,
+                          self._evict_s(d, ctx, hit)))
         for c in ctx.colocated:
             t, hit = self._prefill_s(c, ctx)
             t *= 1 + s.local_prefill_interference * c.running()
             local.append((t + self._evict_s(c, ctx, hit), load_key(c),
                           plan_of("colocated", c, None, t, hit)))
-        prefill = [self._priced_prefill(p, ctx) for p in ctx.prefill] if transfer else []
+        prefill = [self._priced_prefill(p, ctx) for p in ctx.prefill] if moves else []
         if s.conditional_disagg and s.local_prefill_when_backed_up and prefill:
             local += self._around_backlog(ctx, others)
-        # A disaggregated plan costs prefill(p) + transfer(d): the two terms are independent, so
-        # the search is over P + D workers, not P x D pairs (128 workers: 128 terms, not 4096).
-        min_td = min((t for t, _, _ in transfer), default=math.inf)
-        best = min([e[0] for e in prefill] or [math.inf]) + min_td
+        # A disaggregated plan costs prefill(p) + transfer(locality of p -> d): the search is
+        # over P workers plus D workers per prefill locality, not P x D pairs.
+        prefill = self._nearest_localities(prefill)
+        transfer = {loc: self._transfers(loc, moves) for loc in {e[2].locality for e in prefill}}
+        min_td = {loc: min((t for t, _, _ in ts), default=math.inf)
+                  for loc, ts in transfer.items()}
+        best = min([e[0] + min_td[e[2].locality] for e in prefill] or [math.inf])
         best = min([best] + [t for t, _, _ in local])
         if best == math.inf:
             raise NoWorkers("no live decode or colocated worker")
@@ -134,15 +136,39 @@ class KVAwarePolicy:
         # Among near ties prefer disaggregation (keeps prefill off decode workers), then the less
         # loaded prefill worker, then the less loaded decode worker: the same order as sorting
         # every near-tie pair by (kind, load(p) + load(d), t), found in two passes.
-        near_p = [e for e in prefill if e[0] + min_td <= bound]
+        near_p = [e for e in prefill if e[0] + min_td[e[2].locality] <= bound]
         if near_p:
             t_p, hit_p, p, evict_p = min(near_p, key=lambda e: load_key(e[2]))
-            t_d, d, evict_d = min((e for e in transfer if t_p + e[0] <= bound),
+            t_d, d, evict_d = min((e for e in transfer[p.locality] if t_p + e[0] <= bound),
                                   key=lambda e: (load_key(e[1]), e[0]))
             return plan_of("disagg", d, p, t_p + t_d - evict_p - evict_d, hit_p)
         near = [c for c in local if c[0] <= bound]
         near.sort(key=lambda c: (c[1], c[0]))
         return near[0][2]
+
+    def _nearest_localities(self, prefill: list) -> list:
+        """The priced prefill workers of the `MAX_PREFILL_LOCALITIES` localities whose best
+        worker is cheapest: the transfer is priced per (prefill locality, decode worker)."""
+        best: dict[str, float] = {}
+        for e in prefill:
+            best[e[2].locality] = min(best.get(e[2].locality, math.inf), e[0])
+        if len(best) <= MAX_PREFILL_LOCALITIES:
+            return prefill
+        keep = set(sorted(best, key=best.__getitem__)[:MAX_PREFILL_LOCALITIES])
+        return [e for e in prefill if e[2].locality in keep]
+
+    def _transfers(self, src: str, moves) -> list[tuple[float, WorkerInfo, float]]:
+        """(weighted transfer seconds + eviction on the decode worker, the decode worker, that
+        eviction) for a prefill at locality `src`: the pair's learned cost (router/fabric.py),
+        else its link class's seed, else the bandwidth the decode worker's pulls have measured
+        (the fleet's, or the setting, until then)."""
+        s = self.s
+        out = []
+        for d, num_bytes, reload_s, evict_d in moves:
+            fallback = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
+            transfer_s = reload_s + self.fabric.pull_s(src, d.locality, num_bytes, fallback)
+            out.append((s.transfer_weight * transfer_s + evict_d, d, evict_d))
+        return out
 
     def _priced_prefill(self, p: WorkerInfo, ctx: RouteContext
                         ) -> tuple[float, PricedHit, WorkerInfo, float]:

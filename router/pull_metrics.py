@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from router.fabric import Fabric
+from router.fabric import Fabric, endpoint
 from router.worker_info import WorkerInfo
 
 MAX_PAIR_SERIES = 64
@@ -45,12 +45,30 @@ class PullMetrics:
         """One pull from `source` into `puller`, as the puller reported it."""
         if num_tokens <= 0:
             return
-        link = self.fabric.learn(source.locality, puller.locality, num_bytes, seconds)
-        labels = self._labels(source.locality, puller.locality)
+        labels = self._learn(source, puller, endpoint(source), endpoint(puller), num_bytes,
+                             seconds)
         self.tokens.labels(*labels).inc(num_tokens)
         self.bytes.labels(*labels).inc(num_bytes)
-        if link is not None and link.bytes_per_s is not None and labels[0] != OTHER:
+
+    def transfer(self, prefill: WorkerInfo, decode: WorkerInfo, num_bytes: int,
+                 seconds: float) -> None:
+        """A disaggregated plan's KV transfer, as the decode worker timed it: a pull like any
+        other for the fabric (the policy prices P/D transfers per locality pair too), but not
+        a peer pull for the counters. Learned per locality pair only: the policy prices a P/D
+        transfer from a prefill locality, and one without a locality by the decode worker's own
+        measured rate (router/leg_outcomes.py)."""
+        if num_bytes > 0:
+            self._learn(prefill, decode, prefill.locality, decode.locality, num_bytes, seconds)
+
+    def _learn(self, src: WorkerInfo, dst: WorkerInfo, src_key: str, dst_key: str,
+               num_bytes: int, seconds: float) -> tuple[str, str]:
+        link = self.fabric.learn(src_key, dst_key, num_bytes, seconds)
+        labels = self._labels(src.locality, dst.locality)
+        # A worker pair without localities is learned, but the gauge is by locality pair.
+        if link is not None and link.bytes_per_s is not None and labels[0] != OTHER \
+                and src.locality and dst.locality:
             self.rate.labels(*labels).set(link.bytes_per_s)
+        return labels
 
     def leg(self, plan, puller: WorkerInfo, model: str, num_tokens: int, num_bytes: int,
             seconds: float) -> None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from common.locality import link_class
 from common.registry import WorkerRegistration
-from router.fabric import MIN_BANDWIDTH_BYTES, Fabric
+from router.fabric import MIN_BANDWIDTH_BYTES, Fabric, endpoint
 from router.peer_pull import MAX_SOURCES, sources
 from router.plan import RouteContext
 from router.policy import make_policy, plan_for
@@ -148,3 +148,68 @@ def test_pull_metrics_count_by_pair_and_bound_their_series():
         m.record(worker(f"s{i}", f"z/r/s{i}"), dst, 16, 1 << 10, 0.01)
     other = {"src_locality": "other", "dst_locality": "other"}
     assert reg.get_sample_value("tandem_router_peer_pulled_tokens_total", other) == 16 * 6
+
+
+def test_a_pd_transfer_is_priced_per_locality_pair_and_learned():
+    # A 3,200-token prompt moves 200 MiB to the decode worker (blocks of 1 MiB).
+    d = worker("d", "z/r1/n1")
+    near = worker("p-near", "z/r1/n2", role="prefill", load={"waiting_tokens": 200})
+    far = worker("p-far", "z/r9/n9", role="prefill")  # idle, but another rack
+    settings = RouterSettings(link_same_rack_bytes_per_s=40e9, link_same_zone_bytes_per_s=0.5e9)
+    policy = make_policy("kv_aware", settings)
+    # far: 3.2 s of prefill + 0.42 s over 0.5 GB/s; near: 0.2 s more queue + 5 ms.
+    p = plan(3200, {}, [d, near, far], policy)
+    assert p.kind == "disagg" and p.prefill is near and p.decode is d
+    # Without localities the link is the decode worker's own rate: the idle one wins.
+    flat = [worker("d", role="decode"), worker("p-near", role="prefill",
+                                               load={"waiting_tokens": 200}),
+            worker("p-far", role="prefill")]
+    assert plan(3200, {}, flat, make_policy("kv_aware", settings)).prefill is flat[2]
+    # The P/D transfers the decode worker reports teach the pair: the same-rack link turns
+    # out slow (10 MB/s), so the far prefill worker wins; the counters of peer pulls stay 0.
+    reg = CollectorRegistry()
+    metrics = PullMetrics(reg, policy.fabric)
+    for _ in range(3):
+        metrics.transfer(near, d, 100 << 20, 10.0)
+    assert policy.fabric.link("z/r1/n2", "z/r1/n1").bytes_per_s == pytest.approx(
+        (100 << 20) / 10.0)
+    assert plan(3200, {}, [d, near, far], policy).prefill is far
+    labels = {"src_locality": "z/r1/n2", "dst_locality": "z/r1/n1"}
+    assert reg.get_sample_value("tandem_router_link_bytes_per_second", labels) > 0
+    assert reg.get_sample_value("tandem_router_peer_pulled_tokens_total", labels) is None
+
+
+def test_prefill_localities_are_bounded_per_decision():
+    from router.policy import MAX_PREFILL_LOCALITIES
+
+    d = worker("d", "z/r0/n0")
+    prefill = [worker(f"p{i}", f"z/r{i}/n{i}", role="prefill",
+                      load={"waiting_tokens": 100 * i}) for i in range(1, 12)]
+    policy = make_policy("kv_aware", RouterSettings(link_same_zone_bytes_per_s=1e9))
+    priced = [policy._priced_prefill(p, RouteContext(3200, 200, {}, prefill, [d], [], BS))
+              for p in prefill]
+    kept = policy._nearest_localities(priced)
+    assert [e[2] for e in kept] == prefill[:MAX_PREFILL_LOCALITIES]  # the least queued
+    assert plan(3200, {}, [d, *prefill], policy).prefill is prefill[0]
+
+
+def test_without_localities_each_worker_pair_learns_its_pulls():
+    # A CPU cluster started without --locality: a pull waits on both workers' engine steps.
+    c, holder, other = worker("c"), worker("h", load={"waiting_tokens": 100_000}), worker("o")
+    assert endpoint(c) == "#c" and endpoint(worker("x", "z/r/n")) == "z/r/n"
+    policy = make_policy("kv_aware", RouterSettings(link_cross_zone_bytes_per_s=1e12))
+    assert policy.fabric.pull_s("#h", "#c", 1e9, 1e9) == pytest.approx(
+        policy.s.transfer_fixed_s + 1.0)  # no link class, so no seed
+    p = plan(3200, {"h": 150}, [c, holder], policy)
+    assert p.decode is c and p.kv_source is holder
+    reg = CollectorRegistry()
+    metrics = PullMetrics(reg, policy.fabric)
+    for _ in range(10):  # 150 MiB pulls that each took 30 s as the request felt them
+        metrics.record(holder, c, 2400, 150 << 20, 30.0)
+    assert policy.fabric.link("#h", "#c").bytes_per_s == pytest.approx((150 << 20) / 30.0)
+    assert policy.fabric.link("#h", "#o") is None  # another pair learned nothing
+    p = plan(3200, {"h": 150}, [c, holder], policy)
+    assert p.decode is c and p.kv_source is None and p.peer_held_blocks == 150
+    labels = {"src_locality": "unknown", "dst_locality": "unknown"}
+    assert reg.get_sample_value("tandem_router_peer_pulled_tokens_total", labels) == 24000
+    assert reg.get_sample_value("tandem_router_link_bytes_per_second", labels) is None
