@@ -13,6 +13,9 @@ hot conversation gets --forks requests extending its context with a distinct ~--
 (sub-agents; the first one's answer becomes the context's next turn) and every cold conversation
 its next ~--turn-words turn. Greedy, --max-tokens each. A round before them (not measured)
 answers each hot context and each cold first message once: each conversation has a home.
+With --spread-s S a round's requests arrive over S seconds instead (evenly, in a seeded order
+that is the same in every arm): the same offered load for each arm, so the arms' latencies are
+compared at equal throughput, and the cluster is not saturated when S is long enough.
 
 Per request, from its `tandem` field: prompt tokens, cached where computed, pulled, prefilled
 (prompt - cached - pulled), recomputed (prefilled beyond what is new to the conversation: the
@@ -42,6 +45,12 @@ from testing.cluster import Router, Worker  # noqa: E402
 
 ARMS = {"kv_aware_off": ("kv_aware", False), "kv_aware_on": ("kv_aware", True),
         "round_robin": ("round_robin", False)}
+
+
+def arrive(at: float, call):
+    """`call()` once the clock reaches `at` (perf_counter seconds)."""
+    time.sleep(max(0.0, at - time.perf_counter()))
+    return call()
 
 
 def run_arm(policy: str, pulls: bool, args, folder: Path, work: Path) -> dict:
@@ -83,9 +92,15 @@ def run_arm(policy: str, pulls: bool, args, folder: Path, work: Path) -> dict:
             prompts = [render(workers[0], model, m) for _, m, _ in jobs]
             if rnd == 0:
                 t0 = time.perf_counter()
+            order = list(range(len(jobs)))
+            random.Random(args.seed * 1000 + rnd).shuffle(order)
+            gap = args.spread_s / len(jobs) if rnd >= 0 else 0.0
+            start = time.perf_counter()
             with cf.ThreadPoolExecutor(len(jobs)) as pool:
-                answers = list(pool.map(lambda j: chat(router, model, j[1], args.max_tokens),
-                                        jobs))
+                answers = list(pool.map(
+                    lambda job, at: arrive(at, lambda: chat(router, model, job[1],
+                                                            args.max_tokens)),
+                    jobs, [start + order.index(k) * gap for k in range(len(jobs))]))
             for (key, _, _), prompt, a in zip(jobs, prompts, answers, strict=True):
                 if rnd < 0:
                     previous[key] = prompt
@@ -146,6 +161,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--settle-s", type=float, default=1.5)
+    ap.add_argument("--spread-s", type=float, default=0.0,
+                    help="a round's requests arrive over this many seconds (0: all at once)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "skewed.json"))
