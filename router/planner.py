@@ -13,7 +13,10 @@ sees, what the workers measure and the SLOs (docs/planner.md).
   batch whose step stays within `slo_itl_s` (less the fit's spread at `percentile`) bounds the
   `percentile` of a worker's batch, its streams counted as Poisson (`target_batch`); a
   worker's tokens/s at that mean batch, and the batch itself, give the workers the forecast
-  output tokens/s and the streams decoding now need.
+  output tokens/s and the streams decoding now need. While the prefill pool is backed up (a
+  backlog it cannot clear within the TTFT SLO), the router prefills what arrives beyond the
+  live prefill pool's rate on decode workers (local prefill around a backlog, router/policy.py):
+  that prefill time is decode-worker time too, added at the prefill rate.
 - **Forecast**: Holt's linear trend of each rate, `horizon_s` ahead (a new worker's start-up
   and a tick) while it rises (a falling one is not anticipated), plus `headroom` standard
   deviations of its one-step forecast error.
@@ -211,11 +214,8 @@ class Planner:
         self.output_tokens.update(m.now, m.output_tokens_per_s)
         rate = self.prefill_rate.update(m.now, m.prefill_tokens_per_s) \
             or cfg.default_prefill_tokens_per_s
-        tokens = self._ahead(self.prompt_tokens)
-        # A backlog the live pool cannot clear within the SLO is demand too, to be cleared by
-        # the time a new worker could help.
-        backlog = max(0.0, m.prefill_queued_tokens - m.num_prefill * rate * cfg.slo_ttft_s)
-        tokens += backlog / cfg.horizon_s
+        backlog, spilled = self._backlog(m, rate)
+        tokens = self._ahead(self.prompt_tokens) + backlog
         prompts = self._ahead(self.prompts)
         out = self._ahead(self.output_tokens)
         base, per_seq = self.step_fit.line()
@@ -223,14 +223,18 @@ class Planner:
         batch = target_batch(max_batch, self._z)  # where a worker should run
         per_worker = batch / (base + per_seq * batch)  # tokens/s at that batch
 
-        # The demand measured now: its rates alone, not a backlog or streams piled up.
-        now = (m.uncached_prompt_tokens_per_s, m.prompts_per_s, m.output_tokens_per_s, 0.0)
+        # The demand measured now: its rates alone, not a backlog, the prefills it spills on
+        # decode workers or streams piled up.
+        now = (m.uncached_prompt_tokens_per_s, m.prompts_per_s, m.output_tokens_per_s, 0.0, 0.0)
+        ahead = (tokens, prompts, out, m.streams_decoding, spilled)
 
-        def prefill(load: float, demand=(tokens, prompts, out, 0.0)) -> float:
+        def prefill(load: float, demand=ahead) -> float:
             return self._prefill_needed(demand[0] * load, demand[1] * load, rate)
 
-        def decode(load: float, demand=(tokens, prompts, out, m.streams_decoding)) -> float:
-            return max(demand[2] * load / per_worker, demand[3] * load / batch)
+        def decode(load: float, demand=ahead) -> float:
+            # A decode worker's time goes to its steps and to the prefills spilled on it.
+            return max(demand[2] * load / per_worker, demand[3] * load / batch) \
+                + demand[4] * load / rate
 
         pools = {}
         for pool, need in (("prefill", prefill), ("decode", decode)):
@@ -239,6 +243,19 @@ class Planner:
             pools[pool] = PoolDecision(needed, desired, need(1.0, now))
         return Decision(pools["prefill"], pools["decode"], tokens, out, rate, (base, per_seq),
                         max_batch)
+
+    def _backlog(self, m: Measurements, rate: float) -> tuple[float, float]:
+        """(tokens/s, tokens/s): a backlog the live prefill pool cannot clear within the TTFT
+        SLO, spread over `horizon_s` (demand on the prefill pool), and while there is one, what
+        arrives beyond what the live prefill pool computes: the router prefills it on decode
+        workers (local prefill while the prefill pool is backed up) until new prefill workers
+        have started. No backlog, neither: noisy steady load does not reach them."""
+        cfg = self.config
+        live = m.num_prefill * rate
+        backlog = m.prefill_queued_tokens - live * cfg.slo_ttft_s
+        if backlog <= 0:
+            return 0.0, 0.0
+        return backlog / cfg.horizon_s, max(0.0, m.uncached_prompt_tokens_per_s - live)
 
     def _prefill_needed(self, tokens_per_s: float, prompts_per_s: float, rate: float) -> float:
         if tokens_per_s <= 0:

@@ -1,6 +1,7 @@
 """The SLO planner's decisions (router/planner.py) on measurement sequences: steady load keeps
 the fleet, a burst scales up within the step limit, a trough scales down only after the
-cooldown, the bounds hold, noisy steady load does not flap; and its estimators
+cooldown, the bounds hold, noisy steady load (and streams) does not flap, a backed-up prefill
+pool's spill onto decode workers sizes the decode pool too; and its estimators
 (router/planner_inputs.py) and capacity models on known values."""
 
 from __future__ import annotations
@@ -119,6 +120,34 @@ def test_streams_decoding_drive_the_decode_pool():
     batch = target_batch(d.max_batch, 1.645)
     assert batch + 1.645 * math.sqrt(batch) == pytest.approx(d.max_batch, rel=1e-3)
     assert d.decode.needed == pytest.approx(120 / batch, rel=1e-3)
+
+
+def test_prefill_spilled_on_decode_workers_while_the_prefill_pool_is_backed_up():
+    # 60,000 uncached tokens/s on one prefill worker (15,000/s) with 300,000 queued: the router
+    # prefills the 45,000/s beyond it on decode workers (local prefill around a backlog), three
+    # decode workers' time at the prefill rate, on top of what the streams need.
+    calm = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20))
+    backed_up = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20, queued=300_000))
+    assert backed_up.decode.needed == pytest.approx(calm.decode.needed + 3, rel=1e-6)
+    # Not the demand measured now (what the static fleets are sized for).
+    assert backed_up.decode.needed_now == pytest.approx(calm.decode.needed_now)
+    # A queue the live pool clears within the TTFT SLO is no backlog: nothing spills.
+    short = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20, queued=20_000))
+    assert short.decode.needed == pytest.approx(calm.decode.needed)
+    # Two live prefill workers compute 30,000/s of it: half the spill.
+    two = Planner(CONFIG, 2, 1).update(load(0, 60_000, 100, streams=20, queued=300_000,
+                                            num_prefill=2))
+    assert two.decode.needed == pytest.approx(calm.decode.needed + 2, rel=1e-6)
+
+
+def test_noisy_steady_streams_do_not_flap():
+    planner = Planner(CONFIG, 1, 1)
+    rng = random.Random(5)
+    ticks = [load(i * TICK, 40_000, 1500, streams=round(60 * (1 + rng.uniform(-0.25, 0.25))))
+             for i in range(200)]
+    sizes = run(planner, ticks)
+    changes = [i for i in range(30, 200) if sizes[i] != sizes[i - 1]]
+    assert len(changes) <= 2, [(i, sizes[i]) for i in changes]
 
 
 def test_erlang_c_and_the_prefill_pool_size():
