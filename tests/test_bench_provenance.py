@@ -85,7 +85,7 @@ def test_the_scripts_that_wrote_results_write_them_with_provenance():
                 "network", "policies", "rolling_restart", "router_overhead", "serving",
                 "serving_mixed", "sim_profile", "vllm_routing", "wire_parse", "engine_regression",
                 "kv_tiers", "sim_tiers", "fork", "gpu_decode", "gpu_tiers",
-                "kv_tier_loads", "drain", "skewed", "sim_pulls"}
+                "kv_tier_loads", "drain", "skewed", "sim_pulls", "autoscale_burst"}
     calling = {p.stem for p in BENCH.glob("*.py")
                if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                       and n.func.id == "write_result" for n in ast.walk(ast.parse(p.read_text())))}
