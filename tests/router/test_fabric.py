@@ -195,7 +195,7 @@ def test_prefill_localities_are_bounded_per_decision():
 
 def test_without_localities_each_worker_pair_learns_its_pulls():
     # A CPU cluster started without --locality: a pull waits on both workers' engine steps.
-    c, holder, other = worker("c"), worker("h", load={"waiting_tokens": 100_000}), worker("o")
+    c, holder = worker("c"), worker("h", load={"waiting_tokens": 100_000})
     assert endpoint(c) == "#c" and endpoint(worker("x", "z/r/n")) == "z/r/n"
     policy = make_policy("kv_aware", RouterSettings(link_cross_zone_bytes_per_s=1e12))
     assert policy.fabric.pull_s("#h", "#c", 1e9, 1e9) == pytest.approx(
