@@ -108,9 +108,9 @@ def _versus(sim: float, real: list[float]) -> dict:
 
 
 def _write(name: str, data: dict) -> None:
-    path = ROOT / "bench" / "results" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    from bench.provenance import write_result  # commit, machine, command and time, first
+
+    write_result(ROOT / "bench" / "results" / name, data)
 
 
 def _tiers(text: str) -> list[str]:

@@ -207,4 +207,6 @@ def test_cli_prints_one_json_with_the_policies(tmp_path, monkeypatch, capsys):
     assert [p["policy"] for p in printed["policies"]] == ["planner", "static_peak"]
     for p in printed["policies"]:
         assert {"policy", "attainment", "worker_hours", "requests", "scale_events"} <= set(p)
-    assert json.loads((tmp_path / "bench" / "results" / "as.json").read_text()) == printed
+    written = json.loads((tmp_path / "bench" / "results" / "as.json").read_text())
+    assert set(written.pop("provenance")) >= {"commit", "machine", "command"}  # bench/provenance
+    assert written == printed
