@@ -114,11 +114,12 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
         return made[id(t)]
 
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            module._parameters[name] = torch.nn.Parameter(empty(param),
-                                                          requires_grad=param.requires_grad)
-        for name, buffer in module.named_buffers(recurse=False):
-            module._buffers[name] = empty(buffer)
+        # Assigning a registered name replaces it in place (a buffer stays non-persistent).
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(empty(param),
+                                                     requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, empty(buffer))
 
 
 def load_model(folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device,
