@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ from fork import text  # noqa: E402
 from provenance import write_result  # noqa: E402
 
 from testing.metrics import scrape, series_sum  # noqa: E402
-from testing.processes import free_port  # noqa: E402
+from testing.processes import free_port, stop_process  # noqa: E402
 from testing.redis_server import REDIS_URL  # noqa: E402
 
 
@@ -181,11 +180,7 @@ def main() -> None:
             for t in threads:
                 t.join(700)
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop_process(up, 120)
         log.close()
     up_log = (logs / "up.log").read_text()
     events = [line for line in up_log.splitlines() if "autoscale:" in line]
