@@ -92,8 +92,9 @@ class KVAwarePolicy:
         self._fleet_bw = sum(bws) / len(bws) if bws else None
         self._sources = sources(ctx) if s.peer_pulls else []
         local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
-        # (decode worker, KV bytes it would pull, its tier reloads, eviction cost there)
-        moves: list[tuple[WorkerInfo, int, float, float]] = []
+        # (decode worker, KV bytes it would pull, its tier reloads, eviction cost there, the
+        # bandwidth its pulls have measured: the fleet's, or the setting, until then)
+        moves: list[tuple[WorkerInfo, int, float, float, float]] = []
         others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
             hit, size = self._hit(d, ctx), d.block_size
@@ -113,7 +114,9 @@ class KVAwarePolicy:
             # a lower tier are reloaded there.
             missing = max(ctx.num_tokens // size - held, 0) + (ctx.num_tokens % size > 0)
             moves.append((d, missing * (d.block_bytes or s.bytes_per_block), hit.reload_s,
-                          self._evict_s(d, ctx, hit)))
+                          self._evict_s(d, ctx, hit),
+                          d.transfer_bytes_per_s or self._fleet_bw
+                          or s.default_transfer_bytes_per_s))
         for c in ctx.colocated:
             t, hit = self._prefill_s(c, ctx)
             t *= 1 + s.local_prefill_interference * c.running()
@@ -160,15 +163,11 @@ class KVAwarePolicy:
     def _transfers(self, src: str, moves) -> list[tuple[float, WorkerInfo, float]]:
         """(weighted transfer seconds + eviction on the decode worker, the decode worker, that
         eviction) for a prefill at locality `src`: the pair's learned cost (router/fabric.py),
-        else its link class's seed, else the bandwidth the decode worker's pulls have measured
-        (the fleet's, or the setting, until then)."""
-        s = self.s
-        out = []
-        for d, num_bytes, reload_s, evict_d in moves:
-            fallback = d.transfer_bytes_per_s or self._fleet_bw or s.default_transfer_bytes_per_s
-            transfer_s = reload_s + self.fabric.pull_s(src, d.locality, num_bytes, fallback)
-            out.append((s.transfer_weight * transfer_s + evict_d, d, evict_d))
-        return out
+        else its link class's seed, else the decode worker's measured bandwidth (`moves`)."""
+        weight = self.s.transfer_weight
+        return [(weight * (reload_s + self.fabric.pull_s(src, d.locality, num_bytes, fallback))
+                 + evict_d, d, evict_d)
+                for d, num_bytes, reload_s, evict_d, fallback in moves]
 
     def _priced_prefill(self, p: WorkerInfo, ctx: RouteContext
                         ) -> tuple[float, PricedHit, WorkerInfo, float]:
