@@ -36,12 +36,16 @@ def _file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _file_durations() -> dict[str, float]:
+    return json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+
+
 def pytest_collection_modifyitems(config, items):
     # The longest files first (a file runs in one test process: --dist loadfile, with xdist's
     # own reordering by test count turned off in the Makefile): longest-first keeps the run's
     # end from waiting on one long file. A file not yet recorded counts as a slow one when it
     # has a test marked slow.
-    seconds = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+    seconds = _file_durations()
     slow = {_file(item.nodeid) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: -seconds.get(_file(item.nodeid),
                                              30.0 if _file(item.nodeid) in slow else 1.0))
@@ -62,7 +66,7 @@ def pytest_sessionfinish(session):
     config = session.config
     if not config.getoption("--record-file-durations") or hasattr(config, "workerinput"):
         return
-    seconds = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.exists() else {}
+    seconds = _file_durations()
     seconds.update({f: round(s, 1) for f, s in _recorded.items()})
     FILE_DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
 
