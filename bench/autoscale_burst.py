@@ -162,18 +162,19 @@ def main() -> None:
             watch(lambda: time.perf_counter() - t0 >= burst_t + args.burst_s)
             burst_stop.set()
             burst_end_t = time.perf_counter() - t0
-            back: list[float] = []
+            back: list[float] = []  # when the prefill pool was last seen back at one
 
             def settled() -> bool:
                 now = time.perf_counter() - t0
                 if now >= burst_end_t + args.after_s:
                     return True
-                if timeline and timeline[-1]["live_prefill"] <= 1 and max(
-                        s["live_prefill"] for s in timeline) > 1:
-                    back.append(back[0] if back else timeline[-1]["t_s"])
-                    return now >= back[0] + args.settle_s
-                back.clear()
-                return False
+                last = timeline[-1]
+                if last["live_prefill"] > 1 or not any(s["live_prefill"] > 1 for s in timeline):
+                    back.clear()  # not scaled up yet, or up again
+                    return False
+                if not back:
+                    back.append(last["t_s"])
+                return now >= back[0] + args.settle_s
 
             watch(settled)
             light_stop.set()
@@ -189,10 +190,11 @@ def main() -> None:
                       if s["t_s"] >= burst_t and s["live_prefill"] >= 2), None)
     back_to_one = back[0] if back else None
     burst = [r["ttft_s"] for r in load.requests if r["kind"] == "burst" and r["ttft_s"]]
+    max_live = max(s["live_prefill"] for s in timeline)
     result = {
         "model": args.model, "config": vars(args), "command": " ".join(command[1:]),
         "burst_start_s": round(burst_t, 1), "burst_end_s": round(burst_end_t, 1),
-        "max_live_prefill": max(s["live_prefill"] for s in timeline),
+        "max_live_prefill": max_live,
         "second_prefill_live_after_burst_start_s":
             round(second_up - burst_t, 1) if second_up is not None else None,
         "back_to_one_after_burst_end_s":
@@ -202,7 +204,7 @@ def main() -> None:
         "burst_ttft_p50_s": sorted(burst)[len(burst) // 2] if burst else None,
         "autoscaler_events": events, "failures": failures[:20], "timeline": timeline,
         "request_log": load.requests,
-        "goals": {"prefill_scaled_above_one": max(s["live_prefill"] for s in timeline) > 1,
+        "goals": {"prefill_scaled_above_one": max_live > 1,
                   "back_to_one_within_5_min": back_to_one is not None
                   and back_to_one - burst_end_t <= 300,
                   "no_failed_request": not failures}}
