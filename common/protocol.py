@@ -47,7 +47,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_GRAMMAR_CHARS = 64 << 10
 # What one stream event may carry: the router trusts no worker with unbounded lists (a worker
 # that sent ids past uint32 gave a 500; one that sent 60,000-entry logprob lists had them
-# relayed). An answer out of these bounds is a failed worker (router/backend.py `parse`).
+# relayed). An answer out of these bounds is a failed worker (router/worker_http.py `parse`).
 MAX_EVENT_TOKENS = 1 << 16
 MAX_ERROR_CHARS = 4096
 MAX_PULL_BYTES = 1 << 46  # 64 TiB: above any prefix a worker can hold

@@ -26,10 +26,11 @@ import aiohttp
 
 from common.prefix_export import PrefixExportRequest, PrefixExportResponse
 from common.protocol import KVTransferParams
-from router.backend import RequestRejected, WorkerFailure, parse, post_json
+from router.backend import RequestRejected, WorkerFailure
 from router.fabric import Fabric, endpoint
 from router.reload_cost import price_hit
 from router.settings import RouterSettings
+from router.worker_http import parse, post_json
 from router.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,8 @@ import aiohttp
 import yarl
 
 from common.protocol import PrefillResponse, StreamEvent
-from router.backend import (
-    HTTPBackend,
-    WorkerFailure,
-    get_json,
-    parse,
-    post_json,
-    stalled,
-    stream,
-)
+from router.backend import WorkerFailure
+from router.worker_http import HTTPBackend, get_json, parse, post_json, stalled, stream
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from common.protocol import (
     Tenant,
     TokenLogprob,
 )
-from router.backend import HTTPBackend, WorkerFailure, get_json, post_json, stalled, stream
+from router.backend import WorkerFailure
+from router.worker_http import HTTPBackend, get_json, post_json, stalled, stream
 from router.worker_info import WorkerInfo
 
 

@@ -16,9 +16,10 @@ import pytest
 
 from common.errors import OUT_OF_KV_BLOCKS
 from engine import SamplingParams
-from router.backend import KVCacheFull, WorkerFailure, check
+from router.backend import KVCacheFull, WorkerFailure
 from router.kv_full_retry import KVFullRetry, refused_for_kv
 from router.trace import Trace
+from router.worker_http import check
 from router.worker_info import WorkerInfo
 from testing.cluster import Router, Worker
 from testing.metrics import series_sum

@@ -28,7 +28,8 @@ import pytest
 
 from common.errors import KV_TRANSFER_FAILED, error_body
 from engine import SamplingParams
-from router.backend import Timeouts, TransferFailed, WorkerFailure, check
+from router.backend import Timeouts, TransferFailed, WorkerFailure
+from router.worker_http import check
 from router.worker_info import WorkerInfo
 from testing.cluster import Router, Worker
 from testing.metrics import series_sum
