@@ -1,5 +1,6 @@
 """`create_app(settings)`: the OpenAI-compatible gateway's HTTP wiring. The request path is
-router/gateway.py, the response shapes router/responses.py. The router never imports torch."""
+router/gateway.py, its run (sessions, Redis, background refreshes) router/lifespan.py, the response
+shapes router/responses.py. The router never imports torch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from common.errors import APIError, error_response, install_error_handlers
 from router.clients import client_id
 from router.front import FrontedAPI
 from router.gateway import Gateway
+from router.lifespan import running
 from router.metrics import NO_MODEL
 from router.openai_format import body_schema, correlation_id
 from router.openai_models import ChatCompletionRequest, CompletionRequest
@@ -33,7 +35,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with gw.running(), planning(planner, gw.directory.errors):
+        async with running(gw), planning(planner, gw.directory.errors):
             yield
 
     # Errors answered before a model is known (413, a client gone) count under no model.

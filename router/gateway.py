@@ -5,30 +5,26 @@ Response shaping (JSON, SSE) is in router/responses.py; app.py only wires HTTP t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from contextlib import aclosing
 
-import aiohttp
 from prometheus_client import CollectorRegistry
 
 from common.background import BackgroundErrors
 from common.errors import OUT_OF_KV_BLOCKS, APIError
 from common.protocol import SamplingOptions, StreamEvent, Tenant
-from common.redis_client import connect
 from common.registry import RedisKeys
 from common.tool_calls import PARSERS
 from router.admission import Admission
-from router.backend import KVCacheFull, RequestRejected, Timeouts, TransferFailed, WorkerFailure
-from router.backends import BACKENDS
+from router.backend import KVCacheFull, RequestRejected, TransferFailed, WorkerFailure
 from router.choices import Choices
 from router.clients import ClientGate
 from router.dispatch import Dispatcher
 from router.eviction_cost import note_placement
 from router.fabric import Fabric
-from router.index import INDEXES, PrefixIndex
+from router.index import PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
@@ -48,7 +44,8 @@ class Gateway:
     """One router's collaborators, given explicitly: the model catalog (a tokenizer and block
     hasher per served model), worker directory, routing policy, prefix index, dispatcher,
     admission, key auth, rate limiter and metrics. The index, limiter and dispatcher need Redis
-    and an HTTP session: `running()` opens them (the app's lifespan) unless they were given."""
+    and an HTTP session: router/lifespan.py opens them (the app's lifespan) unless they were
+    given."""
 
     def __init__(self, settings: RouterSettings, *, catalog: ModelCatalog,
                  directory: WorkerDirectory, policy: Policy, metrics: RouterMetrics,
@@ -105,59 +102,7 @@ class Gateway:
                                       settings.client_requests_per_s, settings.client_burst),
                    auth=KeyAuth(load_keys(settings.api_keys, settings.api_keys_file)))
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[Gateway]:
-        """Open the HTTP session and Redis, probe the workers, run the background refreshes."""
-        s, directory = self.settings, self.directory
-        async with AsyncExitStack() as stack:
-            http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=s.request_timeout_s, connect=2.0),
-                connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0, keepalive_timeout=60),
-                auto_decompress=False, read_bufsize=1 << 20)  # one NDJSON event must fit a line
-            stack.push_async_callback(http.close)
-            stack.callback(self.prompts.close)
-            tokens = {"tandem": s.internal_token, "vllm": s.vllm_api_key}
-            timeouts = Timeouts(s.prefill_timeout_s, s.stream_stall_timeout_s, s.request_timeout_s,
-                                s.prefill_timeout_min_tokens_per_s)
-            backends = {name: cls(http, tokens[name], s.model or "", timeouts)
-                        for name, cls in BACKENDS.items()}
-            backends["vllm"].report_full_prefix = s.vllm_report_full_prefix
-            if self.dispatcher is None:
-                self.dispatcher = Dispatcher(backends, directory, s.max_prefill_retries,
-                                             s.retry_backoff_s, s.kv_full_waits,
-                                             s.request_timeout_s, s.peer_pull_export_timeout_s,
-                                             self.pulls, s.peer_pulls)
-
-            def probe(w):
-                return backends[w.backend].probe(w)
-
-            await directory.probe_all(probe)
-            # Every worker is health-checked, Redis-discovered ones too (a heartbeat is not
-            # readiness).
-            tasks = [asyncio.create_task(directory.run_probes(probe, s.probe_interval_s))]
-            try:
-                redis = None
-                if s.redis_url:
-                    redis = connect(s.redis_url, s.redis_cluster)
-                    stack.push_async_callback(redis.aclose)
-                    if self.index is None:
-                        self.index = INDEXES[s.index](redis, self.keys, s.index_search,
-                                                      s.redis_cluster, directory.errors)
-                    directory.index = self.index  # told of the live workers on every refresh
-                    await directory.refresh(redis)
-                    tasks.append(asyncio.create_task(directory.run(redis, s.refresh_interval_s)))
-                    tasks.append(asyncio.create_task(self.index.run(s.index_poll_interval_s)))
-                else:
-                    log.warning("no Redis configured: in-process prefix index (learns "
-                                "from routing only)")
-                if self.limiter is None:
-                    self.limiter = RateLimiter(redis, self.keys, s.rate_limit_rpm, s.rate_limit_tpm)
-                yield self
-            finally:  # the background tasks stop before Redis and the HTTP session close
-                await _cancel_all(tasks)
-                await directory.leave(redis)
+    # ---- lifecycle (the run itself, from the app's lifespan: router/lifespan.py) ---------------
 
     async def drain(self) -> None:
         """SIGTERM/SIGINT: not ready from now on (a load balancer stops sending); uvicorn stops
@@ -277,15 +222,3 @@ def log_failure(request_id: str, trace: Trace, cause: str) -> None:
     log.warning("request %s failed: plan %s, prefill %s, decode %s, resumed %d: %s", request_id,
                 trace.plan, trace.prefill_worker, trace.decode_worker, trace.resumed, cause,
                 extra={"request_id": request_id})
-
-
-async def _cancel_all(tasks: list[asyncio.Task], timeout_s: float = 5.0) -> None:
-    """Cancel the background loops and wait for them, a bounded time: each also checks
-    `cancelling()` (a client library can swallow a cancellation), and a shutdown that waited
-    forever kept a router whose bind failed alive."""
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        for t in pending:
-            log.warning("background task %s did not stop within %.0f s", t.get_name(), timeout_s)
