@@ -1,24 +1,25 @@
-"""What each `tandem` subcommand does (the parser is tandem/cli.py). Each imports its package
-lazily, so `tandem router` never pulls in torch."""
+"""What each `tandem` subcommand does (the parser is tandem/cli.py, the settings each builds from
+its flags tandem/settings.py). Each imports its package lazily, so `tandem router` never pulls in
+torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from tandem.flags import given
+from tandem.settings import (
+    bridge_settings,
+    cache_dir,
+    local_cluster,
+    router_settings,
+    worker_settings,
+)
 
 HEADER_TIMEOUT_S = 10.0  # workers: a connection's request head must arrive within this
-
-
-def _cache_dir(value: str | None) -> Path:
-    # The edge is the one place the environment is read.
-    return Path(value or os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -32,14 +33,14 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     given = Path(args.out) if args.out else None
     if args.hf_repo:
         name = args.hf_repo.rstrip("/").rsplit("/", 1)[-1].lower()
-        out = download_hf(args.hf_repo, given or model_dir(name, _cache_dir(args.cache_dir)),
+        out = download_hf(args.hf_repo, given or model_dir(name, cache_dir(args.cache_dir)),
                           args.revision, args.tokenizer_only)
     elif args.gguf:
         gguf = Path(args.gguf)
-        out = convert_gguf(gguf, given or model_dir(gguf.stem.lower(), _cache_dir(args.cache_dir)),
+        out = convert_gguf(gguf, given or model_dir(gguf.stem.lower(), cache_dir(args.cache_dir)),
                            args.force)
     else:
-        out = prepare_smollm2(given, _cache_dir(args.cache_dir), args.force)
+        out = prepare_smollm2(given, cache_dir(args.cache_dir), args.force)
     print(f"model ready at {out} ({time.monotonic() - t0:.1f} s)")
     return 0
 
@@ -68,31 +69,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"[{len(out.token_ids)} tokens in {gen_s:.2f} s, model load {load_s:.1f} s, "
               f"finish: {out.finish_reason}]", file=sys.stderr)
     return 0
-
-
-def worker_settings(args: argparse.Namespace):
-    """The worker's settings: the flags given, then TANDEM_* variables, then the defaults; the
-    role is the subcommand's (`tandem chat` builds only the engine from them)."""
-    from worker.settings import WorkerSettings
-
-    kwargs = given(args, WorkerSettings)
-    kwargs.setdefault("cache_dir", _cache_dir(None))
-    if args.command in ("prefill", "decode", "colocated"):
-        kwargs["role"] = args.command
-    return WorkerSettings(**kwargs)
-
-
-def router_settings(args: argparse.Namespace):
-    """The router's settings: the flags given, then TANDEM_ROUTER_* variables, then the
-    defaults; TANDEM_INTERNAL_TOKEN as for the workers."""
-    from router.settings import RouterSettings
-
-    kwargs = given(args, RouterSettings)
-    kwargs.setdefault("cache_dir", _cache_dir(None))
-    # The workers read TANDEM_INTERNAL_TOKEN themselves; the router's prefix is TANDEM_ROUTER_.
-    if "internal_token" not in kwargs and os.environ.get("TANDEM_INTERNAL_TOKEN"):
-        kwargs["internal_token"] = os.environ["TANDEM_INTERNAL_TOKEN"]
-    return RouterSettings(**kwargs)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -165,17 +141,6 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def bridge_settings(args: argparse.Namespace):
-    """The vLLM bridge's settings: the flags given, then TANDEM_BRIDGE_* variables, then the
-    defaults; TANDEM_INTERNAL_TOKEN as for the workers."""
-    from vllm_bridge.settings import BridgeSettings
-
-    kwargs = given(args, BridgeSettings)
-    if "internal_token" not in kwargs and os.environ.get("TANDEM_INTERNAL_TOKEN"):
-        kwargs["internal_token"] = os.environ["TANDEM_INTERNAL_TOKEN"]
-    return BridgeSettings(**kwargs)
-
-
 def cmd_vllm_bridge(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -202,38 +167,8 @@ def cmd_vllm_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace):
-    from tandem.launcher import Cluster
-
-    router_args = ["--policy", args.policy] if args.policy else []
-    if args.chat_template:
-        router_args += ["--chat-template", str(Path(args.chat_template).resolve())]
-    if args.expose_worker_ids:
-        router_args.append("--expose-worker-ids")
-    if getattr(args, "autoscale", False):  # `tandem up` only
-        if args.no_redis:
-            raise SystemExit("[tandem] --autoscale needs Redis: workers started later register "
-                             "there")
-        # The planner's bounds are the launcher's; local workers start in seconds.
-        router_args += [f"--planner-{b}-{pool}={getattr(args, f'{b}_{pool}')}"
-                        for pool in ("prefill", "decode") for b in ("min", "max")]
-        router_args.append("--planner-startup-s=20")
-    return Cluster(model=args.model, cache_dir=_cache_dir(args.cache_dir), port=args.port,
-                   num_prefill=args.prefill, num_decode=args.decode,
-                   redis_url=None if args.no_redis else args.redis_url,
-                   redis_cluster=args.redis_cluster, num_blocks=args.num_blocks,
-                   threads=args.threads, namespace=args.namespace,
-                   host_kv_gb=args.host_kv_gb, disk_kv_gb=args.disk_kv_gb,
-                   disk_kv_dir=Path(args.disk_kv_dir).resolve() if args.disk_kv_dir else None,
-                   drain_timeout_s=args.drain_timeout_s,
-                   internal_token=os.environ.get("TANDEM_INTERNAL_TOKEN") or None,
-                   extra_worker_args=["--enable-fault-injection"]
-                                     if args.enable_fault_injection else [],
-                   extra_router_args=router_args, api_keys=list(args.api_key))
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    cluster = _cluster(args)
+    cluster = local_cluster(args)
     # SIGTERM (kill, systemd, a container stop) and SIGHUP (the terminal closed) stop the cluster
     # like Ctrl-C does: every child drains and deregisters (Cluster.down).
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -262,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     # The demo shows where each leg ran: its router names the workers (--expose-worker-ids is
     # on by default for demo, off for up).
-    cluster = _cluster(args)
+    cluster = local_cluster(args)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:

@@ -30,7 +30,7 @@ class _PackedServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.cli import build_parser
-    from tandem.commands import worker_settings
+    from tandem.settings import worker_settings
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "--count":

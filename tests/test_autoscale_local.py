@@ -13,7 +13,7 @@ import pytest
 
 from tandem.autoscaler import LocalAutoscaler, desired_replicas, read_router
 from tandem.cli import build_parser
-from tandem.commands import _cluster
+from tandem.settings import local_cluster
 from testing.metrics import scrape, series_sum
 from testing.redis_server import REDIS_URL
 
@@ -21,14 +21,15 @@ from testing.redis_server import REDIS_URL
 def test_the_planners_bounds_reach_the_router_and_redis_is_required():
     args = build_parser().parse_args(["up", "--model", "m", "--autoscale", "--min-prefill", "2",
                                       "--max-prefill", "3", "--max-decode", "5"])
-    router = _cluster(args).extra_router_args
+    router = local_cluster(args).extra_router_args
     assert {"--planner-min-prefill=2", "--planner-max-prefill=3", "--planner-min-decode=1",
             "--planner-max-decode=5"} <= set(router)
     parsed = build_parser().parse_args(["router", *router])
     assert parsed.planner_max_decode == 5
     with pytest.raises(SystemExit, match="needs Redis"):
-        _cluster(build_parser().parse_args(["up", "--model", "m", "--autoscale", "--no-redis"]))
-    assert not any(a.startswith("--planner") for a in _cluster(build_parser().parse_args(
+        local_cluster(build_parser().parse_args(["up", "--model", "m", "--autoscale",
+                                                 "--no-redis"]))
+    assert not any(a.startswith("--planner") for a in local_cluster(build_parser().parse_args(
         ["up", "--model", "m"])).extra_router_args)
 
 
@@ -49,7 +50,7 @@ def test_a_local_cluster_follows_the_planner_up_and_down_without_failing_a_reque
     args = build_parser().parse_args([
         "up", "--model", str(tiny_folder), "--port", "0", "--redis-url", REDIS_URL,
         "--autoscale", "--min-prefill", "2", "--max-prefill", "2", "--max-decode", "1"])
-    cluster = _cluster(args)
+    cluster = local_cluster(args)
     cluster.log_dir = tmp_path / "logs"
     url = cluster.up()
     failures, done, stop = [], [], threading.Event()

@@ -1,14 +1,14 @@
 """`tandem up` (tandem/launcher.py): what it gives its workers."""
 
 from tandem.cli import build_parser
-from tandem.commands import _cluster, worker_settings
+from tandem.settings import local_cluster, worker_settings
 
 
 def test_tandem_up_passes_the_kv_tiers_and_a_disk_folder_per_worker(tmp_path, monkeypatch):
     args = build_parser().parse_args([
         "up", "--model", "tiny-random", "--port", "0", "--no-redis", "--prefill", "2",
         "--host-kv-gb", "1", "--disk-kv-dir", str(tmp_path / "kv"), "--disk-kv-gb", "2"])
-    cluster = _cluster(args)
+    cluster = local_cluster(args)
     spawned: dict[str, list[str]] = {}
     monkeypatch.setattr(cluster, "_spawn", lambda name, argv, env=None: spawned.setdefault(name,
                                                                                          argv))
@@ -25,7 +25,7 @@ def test_tandem_up_passes_the_kv_tiers_and_a_disk_folder_per_worker(tmp_path, mo
         folders.add(config.disk_kv_dir)
     assert len(folders) == 3
     # Without the flags the workers keep their own settings (TANDEM_HOST_KV_GB, ...).
-    plain = _cluster(build_parser().parse_args(["up", "--model", "m", "--port", "0",
+    plain = local_cluster(build_parser().parse_args(["up", "--model", "m", "--port", "0",
                                                 "--no-redis"]))
     spawned.clear()
     monkeypatch.setattr(plain, "_spawn", lambda name, argv, env=None: spawned.setdefault(name,

@@ -68,7 +68,7 @@ def test_tandem_demo_runs_a_local_cluster_without_redis(tmp_path):
 
 def test_flags_win_and_environment_fills_the_rest(monkeypatch):
     from tandem.cli import build_parser
-    from tandem.commands import router_settings, worker_settings
+    from tandem.settings import router_settings, worker_settings
 
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "round_robin")
     monkeypatch.setenv("TANDEM_ROUTER_PORT", "9100")
@@ -124,7 +124,7 @@ def test_every_setting_is_a_flag(command, cls_name):
 
 def test_old_flag_spellings_and_global_flags_after_the_subcommand():
     from tandem.cli import build_parser
-    from tandem.commands import router_settings, worker_settings
+    from tandem.settings import router_settings, worker_settings
 
     parse = build_parser().parse_args
     args = parse(["decode", "--kv-memory", "2", "--heartbeat-ttl", "3", "--no-pack-weights", "-v",

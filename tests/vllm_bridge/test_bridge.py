@@ -387,7 +387,7 @@ def test_discovery_refuses_what_it_cannot_subscribe_to():
 
 def test_command_line(monkeypatch):
     from tandem.cli import build_parser
-    from tandem.commands import bridge_settings
+    from tandem.settings import bridge_settings
 
     monkeypatch.setenv("TANDEM_INTERNAL_TOKEN", "from-env")
     args = build_parser().parse_args(["vllm-bridge", "--vllm-url", "http://127.0.0.1:8000",
