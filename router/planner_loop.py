@@ -106,6 +106,9 @@ class PlannerLoop:
             prefill = self.directory.live("prefill", model)
             decode = self.directory.live("decode", model)
             rates = [w.prefill_tokens_per_s for w in prefill if w.prefill_tokens_per_s]
+            line = st.planner.step_fit.line()
+            for w in decode:  # what kv_aware prices a decode batch's growth on
+                w.decode_step = line
             m = Measurements(now, max(prompt - cached, 0.0), plans,
                              streamed_tokens_per_s(streams, gaps_s, gaps, output),
                              streams_decoding=streams,

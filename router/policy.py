@@ -10,7 +10,9 @@ Every policy sees the same `RouteContext` and returns a `Plan` (router/plan.py):
 blocks it would evict where it lands (router/eviction_cost.py), and picks the minimum; near ties
 go to the less loaded worker, then to the one with more empty KV blocks. A worker's hits in its
 lower KV tiers (host, disk) are priced at its reload rates, and count only where reloading beats
-recomputing (router/reload_cost.py).
+recomputing (router/reload_cost.py). A placement whose decode worker's step, with one more stream,
+is predicted past the ITL SLO is charged for it (router/decode_growth.py), so that load spreads
+to the decode workers with room.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 
 from router.baseline_policies import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from router.decode_growth import fleet_step_line, growth_s
 from router.eviction_cost import eviction_s
 from router.fabric import Fabric
 from router.peer_pull import best_pull, peer_held_blocks, plan_peer_pull, sources
@@ -37,6 +40,8 @@ class KVAwarePolicy:
         self._fleet_rate: float | None = None
         self._fleet_bw: float | None = None
         self._sources: list[WorkerInfo] = []  # the prompt's best peer-pull holders
+        self._step_line = (settings.planner_decode_step_base_s,
+                           settings.planner_decode_step_per_seq_s)  # the fleet's, per decision
         # Pull costs per locality pair, learned from the pulls the dispatcher sees.
         self.fabric = fabric if fabric is not None else Fabric.from_settings(settings)
 
@@ -61,6 +66,11 @@ class KVAwarePolicy:
     def _evict_s(self, w: WorkerInfo, ctx: RouteContext, hit: PricedHit) -> float:
         return eviction_s(w, ctx.num_tokens, hit, self._rate(w), self.s)
 
+    def _landing_s(self, d: WorkerInfo, ctx: RouteContext, hit: PricedHit) -> float:
+        """What a placement costs on the worker that decodes it beyond its time to first token:
+        the cached blocks it evicts there and its batch's growth past the ITL SLO."""
+        return self._evict_s(d, ctx, hit) + growth_s(d, self._step_line, self.s)
+
     def _around_backlog(self, ctx: RouteContext,
                         decode: list[WorkerInfo]) -> list[tuple[float, tuple, Plan]]:
         """Local prefill for any prompt while the prefill pool is backed up: when even the least
@@ -79,7 +89,7 @@ class KVAwarePolicy:
                 continue
             t_local *= 1 + s.local_prefill_interference * d.running()
             stall = d.running() * uncached / self._rate(d)
-            price = t_local + s.local_prefill_stall_weight * stall + self._evict_s(d, ctx, hit)
+            price = t_local + s.local_prefill_stall_weight * stall + self._landing_s(d, ctx, hit)
             out.append((price, load_key(d), plan_of("decode_local", d, None, t_local, hit)))
         return out
 
@@ -91,9 +101,11 @@ class KVAwarePolicy:
         bws = [w.transfer_bytes_per_s for w in ctx.decode if w.transfer_bytes_per_s]
         self._fleet_bw = sum(bws) / len(bws) if bws else None
         self._sources = sources(ctx) if s.peer_pulls else []
+        self._step_line = fleet_step_line(ctx.decode, s)
         local: list[tuple[float, tuple, Plan]] = []  # decode_local and colocated plans
-        # (decode worker, KV bytes it would pull, its tier reloads, eviction cost there, the
-        # bandwidth its pulls have measured: the fleet's, or the setting, until then)
+        # (decode worker, KV bytes it would pull, its tier reloads, what landing there costs
+        # beyond the time to first token, the bandwidth its pulls have measured: the fleet's,
+        # or the setting, until then)
         moves: list[tuple[WorkerInfo, int, float, float, float]] = []
         others: list[WorkerInfo] = []  # decode workers the conditional rule leaves out
         for d in ctx.decode:
@@ -106,7 +118,7 @@ class KVAwarePolicy:
                 # Local prefill on D slows its running decodes: charge for that interference.
                 t_local, hit = self._prefill_s(d, ctx)
                 t_local *= 1 + s.local_prefill_interference * d.running()
-                local.append((t_local + self._evict_s(d, ctx, hit), load_key(d),
+                local.append((t_local + self._landing_s(d, ctx, hit), load_key(d),
                               plan_of("decode_local", d, None, t_local, hit)))
             else:
                 others.append(d)
@@ -114,13 +126,13 @@ class KVAwarePolicy:
             # a lower tier are reloaded there.
             missing = max(ctx.num_tokens // size - held, 0) + (ctx.num_tokens % size > 0)
             moves.append((d, missing * (d.block_bytes or s.bytes_per_block), hit.reload_s,
-                          self._evict_s(d, ctx, hit),
+                          self._landing_s(d, ctx, hit),
                           d.transfer_bytes_per_s or self._fleet_bw
                           or s.default_transfer_bytes_per_s))
         for c in ctx.colocated:
             t, hit = self._prefill_s(c, ctx)
             t *= 1 + s.local_prefill_interference * c.running()
-            local.append((t + self._evict_s(c, ctx, hit), load_key(c),
+            local.append((t + self._landing_s(c, ctx, hit), load_key(c),
                           plan_of("colocated", c, None, t, hit)))
         prefill = [self._priced_prefill(p, ctx) for p in ctx.prefill] if moves else []
         if s.conditional_disagg and s.local_prefill_when_backed_up and prefill:
@@ -142,9 +154,9 @@ class KVAwarePolicy:
         near_p = [e for e in prefill if e[0] + min_td[e[2].locality] <= bound]
         if near_p:
             t_p, hit_p, p, evict_p = min(near_p, key=lambda e: load_key(e[2]))
-            t_d, d, evict_d = min((e for e in transfer[p.locality] if t_p + e[0] <= bound),
-                                  key=lambda e: (load_key(e[1]), e[0]))
-            return plan_of("disagg", d, p, t_p + t_d - evict_p - evict_d, hit_p)
+            t_d, d, land_d = min((e for e in transfer[p.locality] if t_p + e[0] <= bound),
+                                 key=lambda e: (load_key(e[1]), e[0]))
+            return plan_of("disagg", d, p, t_p + t_d - evict_p - land_d, hit_p)
         near = [c for c in local if c[0] <= bound]
         near.sort(key=lambda c: (c[1], c[0]))
         return near[0][2]
@@ -161,13 +173,14 @@ class KVAwarePolicy:
         return [e for e in prefill if e[2].locality in keep]
 
     def _transfers(self, src: str, moves) -> list[tuple[float, WorkerInfo, float]]:
-        """(weighted transfer seconds + eviction on the decode worker, the decode worker, that
-        eviction) for a prefill at locality `src`: the pair's learned cost (router/fabric.py),
-        else its link class's seed, else the decode worker's measured bandwidth (`moves`)."""
+        """(weighted transfer seconds + landing on the decode worker, the decode worker, that
+        landing cost: `_landing_s`) for a prefill at locality `src`: the pair's learned cost
+        (router/fabric.py), else its link class's seed, else the decode worker's measured
+        bandwidth (`moves`)."""
         weight = self.s.transfer_weight
         return [(weight * (reload_s + self.fabric.pull_s(src, d.locality, num_bytes, fallback))
-                 + evict_d, d, evict_d)
-                for d, num_bytes, reload_s, evict_d, fallback in moves]
+                 + land_d, d, land_d)
+                for d, num_bytes, reload_s, land_d, fallback in moves]
 
     def _priced_prefill(self, p: WorkerInfo, ctx: RouteContext
                         ) -> tuple[float, PricedHit, WorkerInfo, float]:

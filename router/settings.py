@@ -217,6 +217,13 @@ class RouterSettings(BaseSettings):
                                                "prefill pool is backed up, when predicted faster")
     local_prefill_stall_weight: float = Field(1.0, description="weight of the stall a local "
                                               "prefill costs the decode worker's running streams")
+    decode_growth_tokens: int = Field(256, ge=0, description="kv_aware charges a placement "
+                                      "whose decode worker's step with one more stream is "
+                                      "predicted past --slo-itl (on the decode step line the "
+                                      "SLO planner fits; --planner-decode-step-* until then) "
+                                      "the excess times this many tokens: the time the "
+                                      "answer's decode runs over the SLO; 0: a decode worker's "
+                                      "batch is not priced")
     near_tie_s: float = Field(0.002, description="plans predicted within this of the best count "
                               "as ties (broken by load, then by cache headroom)")
     # Placement under cache pressure (router/eviction_cost.py): a plan is also charged for the
@@ -244,7 +251,8 @@ class RouterSettings(BaseSettings):
     slo_ttft: float = Field(2.0, gt=0, description="time-to-first-token SLO (seconds) the SLO "
                             "planner sizes the prefill pool for")
     slo_itl: float = Field(0.1, gt=0, description="inter-token latency SLO (seconds, a "
-                           "request's mean) the SLO planner sizes the decode pool for")
+                           "request's mean) the SLO planner sizes the decode pool for, and "
+                           "kv_aware keeps a decode worker's batch within")
     slo_percentile: float = Field(95.0, gt=0, lt=100, description="share of requests (percent) "
                                   "each SLO must hold for")
     planner_interval_s: float = Field(10.0, ge=0, description="how often the SLO planner "

@@ -42,6 +42,9 @@ class WorkerInfo:
     open_until: float = 0.0
     prefill_tokens_per_s: float | None = None
     transfer_bytes_per_s: float | None = None  # measured on this decode worker's KV pulls
+    # Its model's decode step line (base_s, per_seq_s), as the SLO planner fitted it
+    # (router/planner_loop.py); None until then. Priced by router/decode_growth.py.
+    decode_step: tuple[float, float] | None = None
     inflight: int = 0  # requests this router has on the worker now
     inflight_tokens: int = 0  # uncached prompt tokens of the prefills among them
     # Blocks this router sent here that its reports may not show yet, as (sent at, forgotten

@@ -60,8 +60,15 @@ class Setup:
     def router_settings(self) -> RouterSettings:
         p = self.profile
         # Simulated workers pull no prefix from a peer: the policy must not plan such pulls.
+        # The SLOs and the profile's decode step line as the router's (kv_aware keeps a decode
+        # worker's batch within the ITL SLO on that line until the planner has fitted its own).
         return RouterSettings(**{"block_size": p.block_size, "bytes_per_block": p.block_bytes,
-                                 "policy_seed": 0, "peer_pulls": False, **self.router})
+                                 "policy_seed": 0, "peer_pulls": False,
+                                 "slo_ttft": self.slo_ttft_s, "slo_itl": self.slo_itl_s,
+                                 "slo_percentile": self.percentile,
+                                 "planner_decode_step_base_s": p.decode_step_base_s,
+                                 "planner_decode_step_per_seq_s": p.decode_step_per_seq_s,
+                                 **self.router})
 
     def planner_config(self) -> PlannerConfig:
         """The planner's configuration: the SLOs, the bounds, a forecast horizon of a start-up

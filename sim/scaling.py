@@ -163,6 +163,8 @@ class PlannerPolicy:
         if view.step is not None:
             self.planner.observe_step(*view.step)
         d = self.planner.update(view.measurements)
+        for w in view.live("decode"):  # as router/planner_loop.py: kv_aware prices on it
+            w.decode_step = d.decode_step
         self.history.append((now, {pool: (d.pool(pool).needed, d.pool(pool).needed_now)
                                    for pool in POOLS}))
         return {"prefill": d.prefill.desired, "decode": d.decode.desired}

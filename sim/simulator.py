@@ -72,9 +72,12 @@ class Cluster:
         self._fleet: tuple = ()  # the workers `_live` last listed
         self.profile = profile
         self.clock = Clock()
-        self.settings = settings or RouterSettings(block_size=profile.block_size,
-                                                   bytes_per_block=profile.block_bytes,
-                                                   policy_seed=0, peer_pulls=peer_pulls)
+        # (the router configured for the profile's hardware: its block, and its decode step line
+        # that kv_aware prices a decode batch's growth on, router/decode_growth.py)
+        self.settings = settings or RouterSettings(
+            block_size=profile.block_size, bytes_per_block=profile.block_bytes, policy_seed=0,
+            peer_pulls=peer_pulls, planner_decode_step_base_s=profile.decode_step_base_s,
+            planner_decode_step_per_seq_s=profile.decode_step_per_seq_s)
         self.policy = make_policy(policy, self.settings)
         self.hasher = BlockHasher("sim", profile.block_size, None)
         self.index = FleetCache.for_tiers(tiers, profile.num_blocks, profile.host_blocks,

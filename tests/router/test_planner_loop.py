@@ -83,6 +83,9 @@ def test_the_loop_reads_the_routers_counters_and_workers_and_exports_a_decision(
     base = gauge(registry, "tandem_planner_decode_step_seconds", term="base")
     per_seq = gauge(registry, "tandem_planner_decode_step_seconds", term="per_sequence")
     assert base + per_seq * 25 == pytest.approx(0.08, rel=0.01)
+    # ... and it is what kv_aware prices a decode batch's growth on (router/decode_growth.py).
+    assert d1.decode_step == d2.decode_step == pytest.approx((base, per_seq))
+    assert p.decode_step is None
     # A tick without a stream observed: the tokens of the requests that finished.
     metrics.completion_tokens.labels("m").inc(2000)
     loop.decide(20.0)

@@ -138,20 +138,22 @@ def _brute_force(pol, c: RouteContext):
                              and held * BS >= s.local_prefill_min_cached_fraction * c.num_tokens):
             t, hit = pol._prefill_s(d, c)
             cands.append((t * (1 + s.local_prefill_interference * d.running())
-                          + pol._evict_s(d, c, hit), "decode_local", _key(d), d.worker_id, None))
+                          + pol._landing_s(d, c, hit), "decode_local", _key(d), d.worker_id,
+                          None))
         elif (s.local_prefill_when_backed_up
                 and min(p.queued_tokens() for p in c.prefill) >= c.num_tokens - held * BS):
             # The prefill pool is backed up: local prefill priced with the stall it imposes.
             t, hit = pol._prefill_s(d, c)
             stall = d.running() * (c.num_tokens - held * BS) / pol._rate(d)
             cands.append((t * (1 + s.local_prefill_interference * d.running())
-                          + s.local_prefill_stall_weight * stall + pol._evict_s(d, c, hit),
+                          + s.local_prefill_stall_weight * stall + pol._landing_s(d, c, hit),
                           "decode_local", _key(d), d.worker_id, None))
         missing = max(c.num_blocks - held, 0) + (c.num_tokens % BS > 0)
         bw = d.transfer_bytes_per_s or pol._fleet_bw or s.default_transfer_bytes_per_s
         td = (s.transfer_weight
               * (s.transfer_fixed_s + missing * (d.block_bytes or s.bytes_per_block) / bw))
-        td += pol._evict_s(d, c, pol._hit(d, c))  # the decode worker takes the prompt's blocks
+        # the decode worker takes the prompt's blocks, and a stream more (its batch's growth)
+        td += pol._landing_s(d, c, pol._hit(d, c))
         for p in c.prefill:
             t, hit = pol._prefill_s(p, c)
             cands.append((t + pol._evict_s(p, c, hit) + td, "disagg", _key(p) + _key(d),
