@@ -13,6 +13,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.decode_kv_mirror import DecodeKVStep
+
 
 @dataclass
 class PrefillChunk:
@@ -33,7 +35,7 @@ class AttentionBatch(Protocol):
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, k_new: torch.Tensor,
-               v_new: torch.Tensor) -> torch.Tensor: ...
+               v_new: torch.Tensor, layer: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -43,16 +45,21 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # [num_decodes, 1, 1, max_blocks * block_size]: 0 where a key is attended, -inf past the
+    # row's length (a float mask: a bool one is converted in every layer's SDPA call)
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    # The decode rows' keys and values kept between steps (engine/decode_kv_mirror.py); None:
+    # gathered from the blocks in each layer
+    decode_kv: DecodeKVStep | None = None
     fused_ops: ClassVar[Any] = None  # the CPU path: plain torch ops
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(kv_cache, k, v, self)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, k_new: torch.Tensor,
-               v_new: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, kv_cache, self, scale, k_new, v_new)
+               v_new: torch.Tensor, layer: int) -> torch.Tensor:
+        return paged_attention(q, kv_cache, self, scale, k_new, v_new, layer)
 
 
 def write_kv(
@@ -72,19 +79,25 @@ def paged_attention(
     scale: float,
     k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys
     v_new: torch.Tensor,
+    layer: int = 0,  # the layer's index: its rows in meta.decode_kv
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
-        # blocks is 3-5x faster than advanced indexing of this strided view (bench/cpu_ops.py).
-        flat = meta.decode_block_tables.view(-1)
-        k = _gather_blocks(kv_cache[:, 0], flat).view(nd, -1, num_kv_heads,
-                                                      head_dim).transpose(1, 2)
-        v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads,
-                                                      head_dim).transpose(1, 2)
+        if meta.decode_kv is not None:
+            k, v = meta.decode_kv.keys_values(kv_cache, layer, k_new, v_new)
+        else:
+            # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
+            # blocks is 3-5x faster than advanced indexing of this strided view
+            # (bench/cpu_ops.py).
+            flat = meta.decode_block_tables.view(-1)
+            k = _gather_blocks(kv_cache[:, 0], flat).view(nd, -1, num_kv_heads,
+                                                          head_dim).transpose(1, 2)
+            v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads,
+                                                          head_dim).transpose(1, 2)
+        # k, v: [nd, kvh, L, d]
         qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
         od = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True

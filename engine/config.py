@@ -173,6 +173,10 @@ class EngineConfig:
     # admission, on the engine's thread; a longer one (or one not measured yet) runs off the
     # step while the sequence waits in the scheduler's loading state (engine/kv_cache_manager.py).
     inline_load_s: float = 0.002
+    # The SDPA path keeps decode rows' keys and values contiguous between steps, in at most this
+    # many bytes, instead of gathering them from the blocks in every layer of every step
+    # (engine/decode_kv_mirror.py); 0: gathered every time.
+    decode_kv_mirror_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -196,6 +200,8 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         if self.host_kv_bytes < 0 or self.disk_kv_bytes < 0:
             raise ValueError("host_kv_bytes and disk_kv_bytes must be >= 0")
+        if self.decode_kv_mirror_bytes < 0:
+            raise ValueError("decode_kv_mirror_bytes must be >= 0")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in (None, "sdpa", "triton"):

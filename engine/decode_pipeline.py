@@ -97,11 +97,14 @@ class DecodePipeline:
                 ids = ids.index_select(0, rows)
             else:
                 ids = ids[: len(alive)]
-            logits, _ = self.runner.execute([ScheduledSeq(s, 1, True) for s in alive], ids)
+            logits, rows = self.runner.execute([ScheduledSeq(s, 1, True) for s in alive], ids)
             for s in alive:
                 s.num_computed_tokens += 1
-            # Each row's token of the step before is not in its output yet: one pending.
-            self.in_flight = InFlightStep(alive, self.sampler.launch(logits, alive, 1))
+            # The logits' rows in the runner's order (the SDPA path orders decode rows by their
+            # place in engine/decode_kv_mirror.py). Each row's token of the step before is not
+            # in its output yet: one pending.
+            seqs = [r.seq for r in rows]
+            self.in_flight = InFlightStep(seqs, self.sampler.launch(logits, seqs, 1))
             self.num_overlapped_steps += 1
         else:
             self.num_drains += bool(continuing)
@@ -113,7 +116,8 @@ class DecodePipeline:
         synchronous loop schedules it once the step in flight is read)."""
         s = self.scheduler
         if (not self.enabled or s.waiting or s.loading or len(s.running) != len(continuing)
-                or any(a is not b for a, b in zip(s.running, continuing, strict=True))
+                # the same sequences, in any order (the runner may order rows its own way)
+                or {id(seq) for seq in s.running} != {id(seq) for seq in continuing}
                 or len(continuing) > s.max_num_batched_tokens):
             return []
         alive = [seq for seq in continuing if not self._stops_for_length(seq)]

@@ -80,7 +80,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device,
                                   attention=config.attention, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager,
+                                  decode_kv_mirror_bytes=config.decode_kv_mirror_bytes)
         self.sampler = Sampler(config.seed)
         self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size,
                                             self.eos_token_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.decode_kv_mirror import DecodeKVMirror
 from engine.input_buffers import InputBuffers, StepInputs, build_step_inputs, upload
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
@@ -28,6 +29,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         enforce_eager: bool = True,
+        decode_kv_mirror_bytes: int = 0,
     ) -> None:
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; "
@@ -44,6 +46,13 @@ class ModelRunner:
                         if device.type == "cuda" else 4)
         if attention == "triton" and device.type == "cuda" and not enforce_eager:
             self.enable_graphs(capture=True)
+        # The SDPA path keeps decode rows' KV contiguous between steps (see the module); the
+        # Triton kernels read the blocks in place.
+        cfg = model.cfg
+        self.decode_kv = (DecodeKVMirror(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                         block_size, kv_cache.dtype, device,
+                                         decode_kv_mirror_bytes)
+                          if attention == "sdpa" and decode_kv_mirror_bytes > 0 else None)
 
     def enable_graphs(self, capture: bool) -> None:
         """Serve decode-only steps from per-bucket graphs; `capture=False` calls the captured
@@ -72,6 +81,15 @@ class ModelRunner:
         # Single-token work (decodes, and one-token prefill tails) shares one padded call.
         decodes = [s for s in batch if s.num_new_tokens == 1]
         prefills = [s for s in batch if s.num_new_tokens > 1]
+        decode_kv = None
+        if self.decode_kv is not None:
+            in_batch = decodes
+            decodes, decode_kv = self.decode_kv.plan(decodes)  # in the mirror's row order
+            if pending and decodes is not in_batch:
+                where = {id(item): i for i, item in enumerate(in_batch)}
+                order = torch.tensor([where[id(item)] for item in decodes], dtype=torch.long,
+                                     device=self.device)
+                decode_input_ids = decode_input_ids.index_select(0, order)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_blocks: list[int] = []
@@ -102,7 +120,9 @@ class ModelRunner:
             decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
             decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
             key_pos = torch.arange(max_blocks * bs, device=self.device)
-            decode_mask = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
+            attended = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
+            decode_mask = torch.zeros(attended.shape, dtype=self.kv_cache.dtype,
+                                      device=self.device).masked_fill_(~attended, float("-inf"))
         chunks: list[PrefillChunk] = []
         for item in prefills:
             start = len(input_ids)
@@ -125,12 +145,15 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             decode_mask=decode_mask,
             prefills=chunks,
+            decode_kv=decode_kv,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if pending:
             ids.copy_(decode_input_ids)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache, meta)  # [T, hidden]
+        if self.decode_kv is not None:
+            self.decode_kv.commit()
         if not sample_index:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         index = torch.tensor(sample_index, dtype=torch.long, device=self.device)

@@ -50,15 +50,25 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [T, 1, d] each
+        """The tables at `positions`, in the model's dtype: once per step, for every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> torch.Tensor:  # x: [T, heads, d] -> [T, heads, d]
+        return x * cos + _rotate_half(x) * sin
+
     def forward(
         self,
         positions: torch.Tensor,  # [T]
         q: torch.Tensor,  # [T, h, d]
         k: torch.Tensor,  # [T, kvh, d]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.rotation(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ class TritonAttentionMetadata:
         store_kv(kv_cache, k, v, self.slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, k_new: torch.Tensor,
-               v_new: torch.Tensor) -> torch.Tensor:  # q: [T, h, d] -> [T, h, d]
+               v_new: torch.Tensor, layer: int = 0) -> torch.Tensor:  # q: [T, h, d] -> [T, h, d]
         out = torch.empty_like(q)
         nd = self.num_decode_tokens
         if nd:

@@ -136,6 +136,10 @@ class WorkerSettings(BaseSettings):
                                      "folder serves them again; one folder per worker")
     disk_kv_gb: float = Field(10.0, gt=0, description="the disk KV tier's budget in GiB (with "
                               "--disk-kv-dir)")
+    decode_kv_mirror_gb: float = Field(0.5, ge=0, description="memory for the decode rows' KV "
+                                       "kept contiguous between steps on the SDPA (CPU) path, "
+                                       "instead of gathered from the blocks in every layer of "
+                                       "every step (engine/decode_kv_mirror.py); 0: off")
     max_queue: int = Field(256, description="prefills waiting beyond this get 503 + Retry-After")
     max_body_bytes: int = Field(64 << 20, description="largest request body (internal requests "
                                 "carry token ids: 1M tokens is ~8 MB)")
@@ -158,6 +162,7 @@ class WorkerSettings(BaseSettings):
             host_kv_bytes=int(self.host_kv_gb * (1 << 30)),
             disk_kv_dir=str(self.disk_kv_dir) if self.disk_kv_dir is not None else None,
             disk_kv_bytes=int(self.disk_kv_gb * (1 << 30)),
+            decode_kv_mirror_bytes=int(self.decode_kv_mirror_gb * (1 << 30)),
         )
 
     @property
