@@ -144,14 +144,21 @@ class DecodeKVMirror:
         return self._bytes_for(num_rows, num_keys) <= self.max_bytes
 
     def _grow(self, num_rows: int, num_keys: int) -> None:
+        """New, larger buffers (the rows are gathered again): rows to the next power of two and
+        keys doubled, so a batch that grows one row or one block at a time reallocates a few
+        times, not at every step; as much as the budget allows where that does not fit."""
         rows = max(num_rows, self.k.shape[1])
         keys = max(MIN_KEYS, self.k.shape[3])
         while keys < num_keys:
             keys *= 2
-        if not self._fit(rows, keys):  # doubling would pass the budget: exactly what is needed
-            rows, keys = num_rows, num_keys
-        shape = (self.num_layers, rows, self.num_kv_heads, keys, self.head_dim)
+        per_key_row = self._bytes_for(1, 1)
+        most_keys = self.max_bytes // (per_key_row * rows) // self.block_size * self.block_size
+        for r, k in ((max(rows, 1 << (num_rows - 1).bit_length()), keys), (rows, keys),
+                     (rows, most_keys), (num_rows, num_keys)):
+            if k >= num_keys and self._fit(r, k):
+                break
+        shape = (self.num_layers, r, self.num_kv_heads, k, self.head_dim)
         del self.k, self.v  # the old buffers go before the new are allocated
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.row_index = torch.arange(rows, dtype=torch.long, device=self.device)
+        self.row_index = torch.arange(r, dtype=torch.long, device=self.device)

@@ -125,3 +125,17 @@ def test_past_its_budget_the_mirror_steps_aside():
     big = [ScheduledSeq(seq(f"b{i}", 10, [1, 2, 3]), 1, True) for i in range(2)]
     order, step = m.plan(big)
     assert step is None and order == big
+
+
+def test_buffers_grow_by_doubling_and_up_to_the_budget():
+    per_key_row = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4 floats
+    m = mirror(max_bytes=per_key_row * 8 * 610)
+    shapes = []
+    for n in range(1, 8):  # one more row each step
+        m.plan([ScheduledSeq(seq(f"s{i}", 10, [1, 2, 3]), 1, True) for i in range(n)])
+        shapes.append(tuple(m.k.shape[1::2]))  # (rows, keys)
+    assert shapes == [(1, 256), (2, 256), (4, 256), (4, 256), (8, 256), (8, 256), (8, 256)]
+    # 8 rows of 1024 keys would pass the budget: the keys grow to what it allows (610 keys,
+    # 608 in whole blocks), not to exactly what this step needs (544).
+    m.plan([ScheduledSeq(seq(f"s{i}", 540, list(range(136))), 1, True) for i in range(8)])
+    assert tuple(m.k.shape[1::2]) == (8, 608) and m.num_bytes <= m.max_bytes
