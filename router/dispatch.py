@@ -95,7 +95,7 @@ class Dispatcher:
                 trace.num_pulled_tokens = pre.num_pulled_tokens
                 if self.pulls is not None:
                     self.pulls.leg(plan, prefilled_on, trace.model, pre.num_pulled_tokens,
-                                   pre.pull_bytes, trace.export_s + pre.pull_s)
+                                   pre.pull_bytes, pre.pull_s, trace.export_s)
                 kv_params = pre.kv_transfer_params
                 first = pre.first_token_id
                 if first is not None:  # Tandem: the client has its first token now
@@ -164,7 +164,7 @@ class Dispatcher:
                                 if self.pulls is not None and num_sent == 0:
                                     self.pulls.leg(plan, decode, trace.model,
                                                    wt.num_pulled_tokens, wt.pull_bytes,
-                                                   trace.export_s + wt.pull_s)
+                                                   wt.pull_s, trace.export_s)
                         yield ev
                         if ev.finish_reason is not None:
                             self.directory.record_success(decode)

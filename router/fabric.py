@@ -12,7 +12,14 @@ one is set, else at what the caller knew before localities (the destination's me
 rate). A worker that reports no locality is its own endpoint (`endpoint`: "#" and its id), so
 its peer pulls are learned per worker pair instead of pooling every such link into one figure
 (a CPU cluster started without localities learns that its pulls wait on engine steps); such a
-pair has no link class, so no seed.
+pair has no link class, so no seed: until it has measured its own pulls, it is priced at what
+all such pairs have measured together (nothing is known of its link but that), so a fleet
+without localities does not pay for the first pulls of every one of its pairs.
+
+What a pull is taught by is the puller's side of it (reserving, moving and caching the blocks):
+the holder's export waits for the step the holder is in, which depends on how busy it is at that
+moment, not on the link, so it is predicted from the holder's load instead, and only what the
+exports take beyond that prediction is learned, fleet-wide (`export`: router/pull_wait.py).
 
 Bounded: at most `MAX_PAIRS` pairs are remembered (the least recently learned go first), so a
 fleet of thousands of localities, or a Redis that invents them, costs bounded memory."""
@@ -23,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.locality import LINK_CLASSES, link_class
+from router.pull_wait import ExportWait
 
 MAX_PAIRS = 4096
 MIN_BANDWIDTH_BYTES = 1 << 20  # smaller pulls are mostly fixed cost
@@ -49,8 +57,30 @@ def _link_class(src: str, dst: str) -> str:
     return "unknown" if src.startswith("#") or dst.startswith("#") else link_class(src, dst)
 
 
+def _per_worker(src: str, dst: str) -> bool:
+    """A pair keyed by a worker without a locality (`endpoint`) at either end."""
+    return src.startswith("#") or dst.startswith("#")
+
+
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+def _first(*values: float | None) -> float:
+    return next(v for v in values if v is not None)
+
+
+def _update(link: Link, num_bytes: int, seconds: float) -> None:
+    """Teach `link` one pull of `num_bytes` that took `seconds` (see the module's docstring)."""
+    link.num_pulls += 1
+    if num_bytes >= MIN_BANDWIDTH_BYTES:
+        rate = num_bytes / seconds  # the link moved at least this fast
+        link.bytes_per_s = rate if link.bytes_per_s is None else max(
+            rate, (1 - DECAY) * link.bytes_per_s + DECAY * rate)
+    if link.bytes_per_s is not None:
+        link.fixed_s = _ewma(link.fixed_s, max(seconds - num_bytes / link.bytes_per_s, 0.0))
+    elif num_bytes < MIN_BANDWIDTH_BYTES:
+        link.fixed_s = _ewma(link.fixed_s, seconds)  # a small pull: mostly fixed cost
 
 
 class Fabric:
@@ -66,6 +96,8 @@ class Fabric:
         self.fixed_s = fixed_s
         self.max_pairs = max_pairs
         self._links: OrderedDict[tuple[str, str], Link] = OrderedDict()
+        self._unknown = Link()  # every pair keyed by a worker id, learned together
+        self.export = ExportWait()  # exports beyond their predicted wait (router/pull_wait.py)
 
     @classmethod
     def from_settings(cls, s) -> Fabric:
@@ -80,11 +112,12 @@ class Fabric:
 
     def pull_s(self, src: str, dst: str, num_bytes: float, fallback_bytes_per_s: float) -> float:
         """Predicted seconds to pull `num_bytes` from a worker at `src` into one at `dst`."""
-        link = self._links.get((src, dst))
-        fixed = link.fixed_s if link is not None and link.fixed_s is not None else self.fixed_s
-        rate = link.bytes_per_s if link is not None else None
-        if rate is None:
-            rate = self.seeds.get(_link_class(src, dst)) or fallback_bytes_per_s
+        link = self._links.get((src, dst)) or Link()
+        cls = _link_class(src, dst)
+        prior = self._unknown if _per_worker(src, dst) else Link()
+        fixed = _first(link.fixed_s, prior.fixed_s, self.fixed_s)
+        rate = _first(link.bytes_per_s, prior.bytes_per_s, self.seeds.get(cls) or None,
+                      fallback_bytes_per_s)
         return fixed + num_bytes / rate
 
     def learn(self, src: str, dst: str, num_bytes: int, seconds: float) -> Link | None:
@@ -97,15 +130,9 @@ class Fabric:
         self._links[key] = link  # most recently learned last
         while len(self._links) > self.max_pairs:
             self._links.popitem(last=False)
-        link.num_pulls += 1
-        if num_bytes >= MIN_BANDWIDTH_BYTES:
-            rate = num_bytes / seconds  # the link moved at least this fast
-            link.bytes_per_s = rate if link.bytes_per_s is None else max(
-                rate, (1 - DECAY) * link.bytes_per_s + DECAY * rate)
-        if link.bytes_per_s is not None:
-            link.fixed_s = _ewma(link.fixed_s, max(seconds - num_bytes / link.bytes_per_s, 0.0))
-        elif num_bytes < MIN_BANDWIDTH_BYTES:
-            link.fixed_s = _ewma(link.fixed_s, seconds)  # a small pull: mostly fixed cost
+        _update(link, num_bytes, seconds)
+        if _per_worker(src, dst):
+            _update(self._unknown, num_bytes, seconds)
         return link
 
     def links(self) -> list[tuple[str, str, Link]]:
