@@ -4,8 +4,9 @@ sees, what the workers measure and the SLOs (docs/planner.md).
 - **Prefill** is a queue in front of n workers: prompts arrive at the forecast rate, each takes
   its mean uncached tokens at the measured prefill rate. The pool needs the fewest n whose
   M/M/n (Erlang C) waiting time keeps `percentile` of first tokens within `slo_ttft_s`, at no
-  more than `max_utilization`; a backlog the live pool cannot clear within the SLO is added to
-  the demand (spread over `horizon_s`). The rate is the best measured in `rate_window_s`
+  more than `max_utilization`. A backlog the live pool cannot clear within the SLO adds to the
+  demand what of it the live pool will not have done by the time a new worker has started
+  (`horizon_s`), spread over `horizon_s`. The rate is the best measured in `rate_window_s`
   (the router's measure of a prefill includes its wait in the queue: a busy pool would look
   slow and ask for more).
 - **Decode** is continuous batching: a step takes base + per_seq * batch (fitted on observed
@@ -16,10 +17,15 @@ sees, what the workers measure and the SLOs (docs/planner.md).
   output tokens/s and the streams decoding now need. While the prefill pool is backed up (a
   backlog it cannot clear within the TTFT SLO), the router prefills what arrives beyond the
   live prefill pool's rate on decode workers (local prefill around a backlog, router/policy.py):
-  that prefill time is decode-worker time too, added at the prefill rate.
-- **Forecast**: Holt's linear trend of each rate, `horizon_s` ahead (a new worker's start-up
-  and a tick) while it rises (a falling one is not anticipated), plus `headroom` standard
-  deviations of its one-step forecast error.
+  that prefill time is decode-worker time too, added at the prefill rate. The streams stalled
+  behind those prefills are priced by it: while it lasts, only the streams still running when a
+  new worker has started count (a stream's mean stay is streams / prompts per second, Little's
+  law; memoryless: a share exp(-horizon_s / stay) of them).
+- **Forecast**: Holt's trend of each rate, damped (Gardner): it fades with a time constant of
+  `trend_damping` times `horizon_s` (a new worker's start-up and a tick), looked that far ahead
+  while it rises (a falling one is not anticipated), plus `headroom` standard deviations of its
+  one-step forecast error. A step in the load reads as a steep trend for a while: undamped,
+  extrapolated over a whole start-up, it asks for a fleet the step never needs.
 - **Damping** (`PoolScaler`): up by at most `max_step_up` a decision, at once past
   `1 + hysteresis` times the fleet, else once two decisions in a row need it; down only
   `cooldown_s` after the last scale-up, to the highest need of the last `cooldown_s` at
@@ -61,6 +67,7 @@ class PlannerConfig:
     decode: PoolBounds = field(default_factory=PoolBounds)
     horizon_s: float = 60.0  # forecast this far ahead: a new worker's start-up plus a tick
     headroom: float = 0.5  # forecast-error standard deviations added to the forecast
+    trend_damping: float = 0.5  # the trend fades with this time constant, a share of horizon_s
     max_utilization: float = 0.85
     cooldown_s: float = 120.0
     hysteresis: float = 0.05
@@ -83,6 +90,8 @@ class PlannerConfig:
             raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
         if self.max_step_up < 1 or self.max_step_down < 1:
             raise ValueError("step limits must be at least 1")
+        if self.trend_damping <= 0:
+            raise ValueError(f"trend_damping must be positive, got {self.trend_damping}")
 
 
 def erlang_c(n: int, offered: float) -> float:
@@ -202,10 +211,11 @@ class Planner:
         self.step_fit.observe(batch, step_s)
 
     def _ahead(self, f: HoltForecast) -> float:
-        # A rising trend is met ahead of time (a new worker takes `horizon_s`); a falling one
-        # is not anticipated: a worker goes at once when the load has gone.
+        # A rising trend is met ahead of time (a new worker takes `horizon_s`), damped; a
+        # falling one is not anticipated: a worker goes at once when the load has gone.
         cfg = self.config
-        return max(f.forecast(cfg.horizon_s), f.forecast(0.0)) + cfg.headroom * f.error_sd
+        ahead = f.forecast_damped(cfg.horizon_s, cfg.trend_damping * cfg.horizon_s)
+        return max(ahead, f.forecast(0.0)) + cfg.headroom * f.error_sd
 
     def update(self, m: Measurements) -> Decision:
         cfg = self.config
@@ -226,7 +236,7 @@ class Planner:
         # The demand measured now: its rates alone, not a backlog, the prefills it spills on
         # decode workers or streams piled up.
         now = (m.uncached_prompt_tokens_per_s, m.prompts_per_s, m.output_tokens_per_s, 0.0, 0.0)
-        ahead = (tokens, prompts, out, m.streams_decoding, spilled)
+        ahead = (tokens, prompts, out, self._streams_ahead(m, spilled), spilled)
 
         def prefill(load: float, demand=ahead) -> float:
             return self._prefill_needed(demand[0] * load, demand[1] * load, rate)
@@ -244,18 +254,29 @@ class Planner:
         return Decision(pools["prefill"], pools["decode"], tokens, out, rate, (base, per_seq),
                         max_batch)
 
+    def _streams_ahead(self, m: Measurements, spilled: float) -> float:
+        """The streams decoding that the decode pool is sized for. While prompts are prefilled
+        on decode workers (`spilled`), streams pile up behind them: that time is counted as the
+        spill, and of the streams only those still running when a new worker has started
+        (`horizon_s`) count, their mean stay streams / prompts per second (Little's law)."""
+        streams = m.streams_decoding
+        if spilled <= 0 or streams <= 0 or m.prompts_per_s <= 0:
+            return streams
+        return streams * math.exp(-self.config.horizon_s * m.prompts_per_s / streams)
+
     def _backlog(self, m: Measurements, rate: float) -> tuple[float, float]:
-        """(tokens/s, tokens/s): a backlog the live prefill pool cannot clear within the TTFT
-        SLO, spread over `horizon_s` (demand on the prefill pool), and while there is one, what
-        arrives beyond what the live prefill pool computes: the router prefills it on decode
-        workers (local prefill while the prefill pool is backed up) until new prefill workers
-        have started. No backlog, neither: noisy steady load does not reach them."""
+        """(tokens/s, tokens/s) while the live prefill pool cannot clear its queue within the
+        TTFT SLO: what of the queue it will not have done by the time a new worker has started
+        (`horizon_s`), spread over `horizon_s` (demand on the prefill pool), and what arrives
+        beyond what it computes: the router prefills that on decode workers (local prefill
+        while the prefill pool is backed up) until new prefill workers have started. No
+        backlog, neither: noisy steady load does not reach them."""
         cfg = self.config
         live = m.num_prefill * rate
-        backlog = m.prefill_queued_tokens - live * cfg.slo_ttft_s
-        if backlog <= 0:
+        if m.prefill_queued_tokens <= live * cfg.slo_ttft_s:
             return 0.0, 0.0
-        return backlog / cfg.horizon_s, max(0.0, m.uncached_prompt_tokens_per_s - live)
+        left = max(0.0, m.prefill_queued_tokens - live * cfg.horizon_s)
+        return left / cfg.horizon_s, max(0.0, m.uncached_prompt_tokens_per_s - live)
 
     def _prefill_needed(self, tokens_per_s: float, prompts_per_s: float, rate: float) -> float:
         if tokens_per_s <= 0:

@@ -114,6 +114,15 @@ class HoltForecast:
             return 0.0
         return max(0.0, self.level + self.trend * horizon_s)
 
+    def forecast_damped(self, horizon_s: float, damping_s: float) -> float:
+        """The rate `horizon_s` ahead with the trend fading at the time constant `damping_s`
+        (a continuous damped trend: level + trend * damping_s * (1 - exp(-horizon_s /
+        damping_s)); never below 0)."""
+        if self.level is None:
+            return 0.0
+        reach = damping_s * (1 - math.exp(-horizon_s / damping_s))
+        return max(0.0, self.level + self.trend * reach)
+
     @property
     def error_sd(self) -> float:
         """The forecast error's standard deviation, from its mean absolute value (normal)."""

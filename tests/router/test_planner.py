@@ -107,10 +107,20 @@ def test_noisy_steady_load_does_not_flap():
 
 
 def test_a_prefill_backlog_is_demand():
+    # 3,000,000 queued tokens: the live worker (15,000/s) does 900,000 of them before a new
+    # one has started (60 s): the rest, over 60 s, is 35,000 tokens/s more.
     planner = Planner(CONFIG, 1, 1)
     calm = planner.update(load(0, 1000, 100))
-    backed_up = Planner(CONFIG, 1, 1).update(load(0, 1000, 100, queued=300_000))
+    backed_up = Planner(CONFIG, 1, 1).update(load(0, 1000, 100, queued=3_000_000))
     assert calm.prefill.desired == 1 and backed_up.prefill.desired > 1
+    assert backed_up.uncached_prompt_tokens_per_s == pytest.approx(1000 + 35_000)
+
+
+def test_a_backlog_the_live_pool_clears_before_a_new_worker_starts_is_no_demand():
+    # 300,000 queued tokens: past the TTFT SLO (20 s of work), but done in 20 s, long before a
+    # worker asked for now has started (60 s): a new worker would find none of it.
+    d = Planner(CONFIG, 1, 1).update(load(0, 1000, 100, queued=300_000))
+    assert d.prefill.desired == 1 and d.uncached_prompt_tokens_per_s == pytest.approx(1000)
 
 
 def test_streams_decoding_drive_the_decode_pool():
@@ -126,18 +136,50 @@ def test_prefill_spilled_on_decode_workers_while_the_prefill_pool_is_backed_up()
     # 60,000 uncached tokens/s on one prefill worker (15,000/s) with 300,000 queued: the router
     # prefills the 45,000/s beyond it on decode workers (local prefill around a backlog), three
     # decode workers' time at the prefill rate, on top of what the streams need.
-    calm = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20))
-    backed_up = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20, queued=300_000))
+    calm = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100))
+    backed_up = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, queued=300_000))
     assert backed_up.decode.needed == pytest.approx(calm.decode.needed + 3, rel=1e-6)
     # Not the demand measured now (what the static fleets are sized for).
     assert backed_up.decode.needed_now == pytest.approx(calm.decode.needed_now)
     # A queue the live pool clears within the TTFT SLO is no backlog: nothing spills.
-    short = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, streams=20, queued=20_000))
+    short = Planner(CONFIG, 1, 1).update(load(0, 60_000, 100, queued=20_000))
     assert short.decode.needed == pytest.approx(calm.decode.needed)
     # Two live prefill workers compute 30,000/s of it: half the spill.
-    two = Planner(CONFIG, 2, 1).update(load(0, 60_000, 100, streams=20, queued=300_000,
-                                            num_prefill=2))
+    two = Planner(CONFIG, 2, 1).update(load(0, 60_000, 100, queued=300_000, num_prefill=2))
     assert two.decode.needed == pytest.approx(calm.decode.needed + 2, rel=1e-6)
+
+
+def test_streams_stalled_behind_spilled_prefills_count_only_if_they_outlast_a_start_up():
+    # 30 prompts/s, 150 streams on the decode workers: a stream stays 5 s (Little's law). With
+    # the prefill pool backed up, they are stalled behind the prompts prefilled beside them (the
+    # spill prices that): none will still run when a decode worker asked for now has started.
+    calm = Planner(CONFIG, 1, 1).update(load(0, 60_000, 1500, streams=150))
+    backed_up = Planner(CONFIG, 1, 1).update(load(0, 60_000, 1500, streams=150,
+                                                  queued=300_000))
+    per_worker = backed_up.decode.needed - 3  # the spill: three workers' time
+    assert calm.decode.needed == pytest.approx(150 / target_batch(calm.max_batch, 1.645),
+                                               rel=1e-3)
+    assert per_worker == pytest.approx(1500 * (0.008 + 0.0027 * target_batch(
+        backed_up.max_batch, 1.645)) / target_batch(backed_up.max_batch, 1.645), rel=1e-3)
+    assert backed_up.decode.needed < calm.decode.needed
+    # Streams that outlast a start-up (few prompts, long answers) still count.
+    slow = Planner(CONFIG, 1, 1).update(Measurements(0, 60_000, 0.5, 1500, 150, 300_000,
+                                                     15000.0, 1, 1))
+    assert slow.decode.needed > calm.decode.needed
+
+
+def test_a_step_in_the_load_is_not_extrapolated_over_a_whole_start_up():
+    # Prompt tokens step from 10,000/s to 40,000/s and stay: Holt's trend reads the step as a
+    # steep rise for a while. Damped (time constant: half the horizon), the forecast carries
+    # that trend less than half a start-up ahead, not a whole one.
+    planner = Planner(CONFIG, 1, 1)
+    run(planner, steady(0, 30, 10_000, 600))
+    for m in steady(300, 6, 40_000, 600):
+        d = planner.update(m)
+    f = planner.prompt_tokens
+    trend_part = d.uncached_prompt_tokens_per_s - f.level - CONFIG.headroom * f.error_sd
+    assert f.trend > 0 and 0 < trend_part <= f.trend * CONFIG.horizon_s / 2
+    assert f.forecast(CONFIG.horizon_s) > f.forecast_damped(CONFIG.horizon_s, 30) > f.level
 
 
 def test_noisy_steady_streams_do_not_flap():

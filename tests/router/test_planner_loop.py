@@ -47,7 +47,7 @@ def test_the_loop_reads_the_routers_counters_and_workers_and_exports_a_decision(
         ["prefill=http://127.0.0.1:1", "decode=http://127.0.0.1:2", "decode=http://127.0.0.1:3"])
     p, d1, d2 = directory.workers.values()
     p.prefill_tokens_per_s = 15000.0
-    p.inflight_tokens = 40_000
+    p.inflight_tokens = 20_000  # within the TTFT SLO (2 s at 15,000/s): no backlog
     d1.load, d2.load = {"running": 30}, {"running": 10}
     loop.sample()
     loop.decide(0.0)  # the first reading: rates start from here
@@ -71,7 +71,7 @@ def test_the_loop_reads_the_routers_counters_and_workers_and_exports_a_decision(
     assert gauge(registry, "tandem_planner_tokens_per_second", kind="output",
                  basis="measured") == pytest.approx(500)
     assert gauge(registry, "tandem_planner_streams_decoding") == 40
-    assert gauge(registry, "tandem_planner_prefill_queued_tokens") == 40_000
+    assert gauge(registry, "tandem_planner_prefill_queued_tokens") == 20_000
     assert gauge(registry, "tandem_planner_prefill_worker_tokens_per_second") == 15000
     # 30,000 uncached tokens/s at 15,000 a worker: more than one prefill worker (from the first
     # tick on the smoothed forecast); 40 streams: more than the two decode workers.
