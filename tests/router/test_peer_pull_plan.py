@@ -5,17 +5,7 @@ from __future__ import annotations
 
 from router.policy import make_policy, plan_for
 from router.settings import RouterSettings
-from router.worker_info import WorkerInfo
-
-BS = 16
-
-
-def worker(wid, role="decode", **kw):
-    w = WorkerInfo(wid, role, f"http://{wid}", block_size=BS, prefill_tokens_per_s=1000.0,
-                   digest="0123456789abcdef", block_bytes=100_000)
-    for k, v in kw.items():
-        setattr(w, k, v)
-    return w
+from tests.router.hand_built import BS, worker
 
 
 def plan(num_tokens, matches, live, **settings):

@@ -13,18 +13,9 @@ from router.policy import make_policy, plan_for
 from router.pull_metrics import PullMetrics
 from router.pull_wait import STEP_TOKENS, ExportWait, step_s
 from router.settings import RouterSettings
-from router.worker_info import WorkerInfo
+from tests.router.hand_built import BS, worker
 
-BS = 16
 LINE = (0.066, 0.0064)
-
-
-def worker(wid, role="decode", **kw):
-    w = WorkerInfo(wid, role, f"http://{wid}", block_size=BS, prefill_tokens_per_s=1000.0,
-                   digest="0123456789abcdef", block_bytes=100_000)
-    for k, v in kw.items():
-        setattr(w, k, v)
-    return w
 
 
 def plan(num_tokens, matches, live, policy=None):
