@@ -43,7 +43,8 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] int64, the block each new token's KV goes to
     slot_offsets: torch.Tensor  # [num_tokens] int64, its position inside that block
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, padded with 0
+    # [num_decodes, max_blocks] int64, padded with 0; None with decode_kv (it gathers its rows)
+    decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     # [num_decodes, 1, 1, max_blocks * block_size]: 0 where a key is attended, -inf past the
     # row's length (a float mask: a bool one is converted in every layer's SDPA call)
@@ -85,10 +86,11 @@ def paged_attention(
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     nd = meta.num_decode_tokens
     if nd:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_mask is not None
         if meta.decode_kv is not None:
             k, v = meta.decode_kv.keys_values(kv_cache, layer, k_new, v_new)
         else:
+            assert meta.decode_block_tables is not None
             # [nd * max_blocks, block_size, kvh, d] -> [nd, kvh, L, d]. index_select over whole
             # blocks is 3-5x faster than advanced indexing of this strided view
             # (bench/cpu_ops.py).

@@ -85,7 +85,7 @@ class ModelRunner:
         if self.decode_kv is not None:
             in_batch = decodes
             decodes, decode_kv = self.decode_kv.plan(decodes)  # in the mirror's row order
-            if pending and decodes is not in_batch:
+            if pending:  # the device ids are in the batch's order, the rows now the mirror's
                 where = {id(item): i for i, item in enumerate(in_batch)}
                 order = torch.tensor([where[id(item)] for item in decodes], dtype=torch.long,
                                      device=self.device)
@@ -115,9 +115,10 @@ class ModelRunner:
         if decodes:
             lens = [d.seq.num_computed_tokens + 1 for d in decodes]
             max_blocks = -(-max(lens) // bs)
-            tables = [d.seq.block_table[:max_blocks] for d in decodes]
-            tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-            decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
+            if decode_kv is None:  # the gather's tables; the mirror gathers its own rows
+                tables = [d.seq.block_table[:max_blocks] for d in decodes]
+                tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+                decode_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
             decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
             key_pos = torch.arange(max_blocks * bs, device=self.device)
             attended = (key_pos[None, :] < decode_lens[:, None])[:, None, None, :]
