@@ -31,6 +31,11 @@ def fleet_step_line(workers: list[WorkerInfo], s: RouterSettings) -> StepLine:
     return (sum(b for b, _ in lines) / len(lines), sum(p for _, p in lines) / len(lines))
 
 
+def step_line(w: WorkerInfo, fleet_line: StepLine) -> StepLine:
+    """`w`'s own decode step line where the planner has fitted one, else the fleet's."""
+    return w.decode_step if w.decode_step is not None else fleet_line
+
+
 def batch_after(d: WorkerInfo) -> int:
     """`d`'s batch with one more stream: what it runs and queues by its last report, or what this
     router has sent it (reports lag by up to a heartbeat, and a disaggregated request counts
@@ -43,5 +48,5 @@ def growth_s(d: WorkerInfo, fleet_line: StepLine, s: RouterSettings) -> float:
     ITL SLO, times `decode_growth_tokens`; 0 within the SLO (or with the setting at 0)."""
     if not s.decode_growth_tokens:
         return 0.0
-    base, per_seq = d.decode_step if d.decode_step is not None else fleet_line
+    base, per_seq = step_line(d, fleet_line)
     return max(base + per_seq * batch_after(d) - s.slo_itl, 0.0) * s.decode_growth_tokens

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.decode_growth import StepLine
+from router.decode_growth import StepLine, step_line
 from router.worker_info import WorkerInfo
 
 STEP_TOKENS = 2048  # prompt tokens one engine step prefills (worker/settings.py's default)
@@ -38,7 +38,7 @@ def step_s(w: WorkerInfo, rate: float, line: StepLine) -> float:
     prefill = min(queued, STEP_TOKENS) / rate if queued > 0 and rate > 0 else 0.0
     if streams <= 0 and prefill == 0.0:
         return 0.0
-    base, per_seq = w.decode_step if w.decode_step is not None else line
+    base, per_seq = step_line(w, line)
     return prefill + base + per_seq * max(streams, 1)
 
 
