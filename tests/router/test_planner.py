@@ -11,15 +11,9 @@ import random
 
 import pytest
 
-from router.planner import (
-    Planner,
-    PlannerConfig,
-    PoolBounds,
-    erlang_c,
-    prefill_replicas,
-    target_batch,
-)
+from router.planner import Planner, PlannerConfig, PoolBounds
 from router.planner_inputs import CounterRate, HoltForecast, Measurements, StepTimeFit, WindowMax
+from router.queueing import erlang_c, prefill_replicas, target_batch
 
 TICK = 10.0
 # A GPU-like pool: 15,000 prefill tokens/s a worker, steps of 8 ms + 2.7 ms per sequence.
