@@ -193,7 +193,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tandem.launcher import chat
+    from tandem.chat import chat
 
     # The demo shows where each leg ran: its router names the workers (--expose-worker-ids is
     # on by default for demo, off for up).

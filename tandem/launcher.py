@@ -9,31 +9,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.local_redis import local_redis
+from tandem.ports import free_port, port_open
 from tandem.server import parent_death_signal
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.3)
-        return s.connect_ex((host, port)) == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _say(msg: str) -> None:
@@ -92,38 +79,19 @@ class Cluster:
     def _redis(self) -> str | None:
         if self.redis_url is None:
             return None
-        given = urllib.parse.urlsplit(self.redis_url)
-        host, port = given.hostname or "127.0.0.1", given.port or 6379
-        if _port_open(host, port):
-            _say(f"using the Redis at {self.redis_url}")
-            return self.redis_url
-        if self.redis_cluster:
-            raise SystemExit(f"no Redis Cluster node answers at {host}:{port}")
-        host = "127.0.0.1"
-        if shutil.which("redis-server"):
-            port = _free_port()
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", host,
-                                     "--save", "", "--appendonly", "no"],
-                                    stdout=open(self.log_dir / "redis.log", "w"),
-                                    start_new_session=True, preexec_fn=parent_death_signal())
-            self.procs.append(("redis", proc))
-            for _ in range(100):
-                if _port_open(host, port):
-                    break
-                time.sleep(0.05)
-            _say(f"no Redis at {given.hostname}:{given.port or 6379}; started redis-server on "
-                 f"{host}:{port}")
-            return f"redis://{host}:{port}/0"
-        _say("warning: no Redis reachable and no redis-server installed; the router uses its "
-             "in-process index (approximate, learns from its own routing)")
-        return None
+        redis = local_redis(self.redis_url, self.redis_cluster, self.log_dir)
+        if redis.proc is not None:
+            # a child from now on: stopped with the rest, even while still starting
+            self.procs.append(("redis", redis.proc))
+            redis.wait_listening()
+        _say(redis.note)
+        return redis.url
 
     def up(self) -> str:
         if not self.internal_token:
             self.internal_token = secrets.token_urlsafe(32)
-        self.port = self.port or _free_port()
-        if _port_open("127.0.0.1", self.port):
+        self.port = self.port or free_port()
+        if port_open("127.0.0.1", self.port):
             # Another router (another cluster) answers there: its readiness would pass for ours.
             raise SystemExit(f"[tandem] port {self.port} is in use; stop what listens there or "
                              "choose another --port")
@@ -180,7 +148,7 @@ class Cluster:
         """Start one more `role` worker (it registers in Redis once ready); (name, url)."""
         i = self._next.get(role, 0)
         self._next[role] = i + 1
-        port, name = _free_port(), f"{role}-{i}"
+        port, name = free_port(), f"{role}-{i}"
         tier = (["--disk-kv-dir", str(self.disk_kv_dir / name)]
                 if self.disk_kv_dir is not None else [])
         self._spawn(name, [role, *self._worker_common, *tier, "--port", str(port)])
@@ -276,15 +244,3 @@ class Cluster:
                 proc.wait(5)
         self.procs.clear()
         _say("stopped")
-
-
-def chat(url: str, model: str, messages: list[dict], max_tokens: int = 64,
-         api_key: str | None = None) -> dict:
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0}).encode()
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
