@@ -1,6 +1,6 @@
-"""`python -m sim autoscale` (sim/autoscale.py, sim/fleet.py, sim/scaling.py, sim/traces.py):
-workers that start late and drain, what the simulated router measures, the HPA baseline's
-arithmetic, the traces' shapes, and a small comparison end to end."""
+"""`python -m sim autoscale` (sim/autoscale.py, sim/policy_run.py, sim/fleet.py, sim/scaling.py,
+sim/traces.py): workers that start late and drain, what the simulated router measures, the HPA
+baseline's arithmetic, the traces' shapes, and a small comparison end to end."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from sim.__main__ import main as sim_main
-from sim.autoscale import Setup, compare, static_sizes
+from sim.autoscale import compare, static_sizes
 from sim.fleet import Fleet
+from sim.policy_run import Setup
 from sim.profile import CostProfile
 from sim.scaling import QueueDepth, RouterView
 from sim.simulator import Cluster, SimRequest
