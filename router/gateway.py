@@ -5,6 +5,7 @@ Response shaping (JSON, SSE) is in router/responses.py; app.py only wires HTTP t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from router.index import PrefixIndex
 from router.limits import KeyAuth, RateLimiter, load_keys
 from router.metrics import RouterMetrics
 from router.models import ModelCatalog, ServedModel
+from router.open_streams import OpenStreams
 from router.plan import NoWorkers, Plan, Policy
 from router.policy import make_policy, plan_for
 from router.prefix_lookup import IndexUnavailable, PrefixLookup
@@ -70,6 +72,7 @@ class Gateway:
         self.dispatcher = dispatcher
         self.keys = RedisKeys(settings.namespace)
         self.draining = False
+        self.open_streams = OpenStreams()  # what a drain that runs out ends with an error event
         self.choices = Choices(settings.max_tokens_default)  # every choice's options, checked
         # Bridged vLLM workers report a prompt's blocks only after its prefill step: until then
         # this router's own recent decisions stand in (router/speculative.py).
@@ -106,8 +109,12 @@ class Gateway:
 
     async def drain(self) -> None:
         """SIGTERM/SIGINT: not ready from now on (a load balancer stops sending); uvicorn stops
-        listening and lets in-flight requests finish (tandem/server.py)."""
+        listening and lets in-flight requests finish (tandem/server.py). A stream still open
+        after `drain_timeout_s` ends with an error event and `[DONE]` (uvicorn's own deadline,
+        a little later, would close it with neither)."""
         self.draining = True
+        asyncio.get_running_loop().call_later(self.settings.drain_timeout_s,
+                                              self.open_streams.end_all)
 
     # ---- one request ---------------------------------------------------------------------------
 

@@ -68,7 +68,8 @@ async def complete(gw: Gateway, body, chat: bool, client_rid: str | None, api_ke
             return DeadlineStreamingResponse(
                 sse(gw, model, list(zip(firsts, gens, strict=True)), body, chat, rid, created,
                     prompt, t_start, slot),
-                write_timeout_s=gw.settings.stream_write_timeout_s, media_type="text/event-stream")
+                write_timeout_s=gw.settings.stream_write_timeout_s,
+                open_streams=gw.open_streams, media_type="text/event-stream")
         if body.n == 1:  # no task per choice for the common case
             one = gw.run_one(body, model, prompt, opts[0], rid, client_rid, tag)
             results = [await _collect(gw, model, one, body, t_start)]

@@ -84,7 +84,7 @@ class RouterSettings(BaseSettings):
     probe_interval_s: float = Field(2.0, description="health checks of every worker")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: how long "
                                    "in-flight requests may take to finish after the router stops "
-                                   "listening")
+                                   "listening; a stream still open then ends with an error event")
     request_timeout_s: float = Field(300.0, description="longest a request may take end to end")
     stream_write_timeout_s: float = Field(30.0, gt=0, description="a streaming client that "
                                           "accepts no data for this long is cut (its slot and "

@@ -22,6 +22,7 @@ from common.streams import prepend
 from common.tool_calls import ToolCalls, ToolStream
 from router.gateway import Gateway
 from router.models import ServedModel
+from router.open_streams import DRAIN_ENDED, OpenStreams
 from router.openai_format import (
     chat_logprobs,
     completion_logprobs,
@@ -40,30 +41,54 @@ FRAMES_PER_CHOICE = 32
 class DeadlineStreamingResponse(StreamingResponse):
     """A stream whose every write must complete within `write_timeout_s`: a client that stops
     reading is cut, and its admission slot and worker streams are freed, instead of holding
-    them for as long as its TCP window stays shut."""
+    them for as long as its TCP window stays shut. One still open when the router's drain ends
+    (`open_streams.end_all`) ends with an error event and `[DONE]`, not a silent close."""
 
-    def __init__(self, content, *, write_timeout_s: float, **kwargs) -> None:
+    def __init__(self, content, *, write_timeout_s: float,
+                 open_streams: OpenStreams | None = None, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.write_timeout_s = write_timeout_s
+        self.open_streams = open_streams or OpenStreams()
         self.timed_out = False
 
     async def stream_response(self, send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                try:
-                    async with asyncio.timeout(self.write_timeout_s):
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except TimeoutError:
-                    self.timed_out = True
-                    log.warning("a streaming client read nothing for %.0f s: stream cut",
-                                self.write_timeout_s)
+            until_drain_end = asyncio.timeout(None)
+            try:
+                async with until_drain_end:
+                    with self.open_streams.track(until_drain_end):
+                        if not await self._relay(send):
+                            return
+            except TimeoutError:
+                if not until_drain_end.expired():
+                    raise
+                log.warning("the router's drain ended with this stream open: ended with an error")
+                if not await self._write(send, DRAIN_ENDED):
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with anyio.CancelScope(shield=True):  # the slot and worker streams go now, not at GC
                 await self.body_iterator.aclose()
+
+    async def _relay(self, send) -> bool:
+        """Every chunk of the body; False: the client read nothing in time (cut)."""
+        async for chunk in self.body_iterator:
+            if not await self._write(send, chunk):
+                return False
+        return True
+
+    async def _write(self, send, chunk: bytes) -> bool:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return True
+        except TimeoutError:
+            self.timed_out = True
+            log.warning("a streaming client read nothing for %.0f s: stream cut",
+                        self.write_timeout_s)
+            return False
 
 
 class ChoiceStream:

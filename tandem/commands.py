@@ -118,6 +118,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
+    from router.open_streams import END_GRACE_S
     from tandem.server import BindError, DrainingServer, bind, run, timed_http_protocol
 
     settings = router_settings(args)
@@ -127,7 +128,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         print(f"tandem router: {e}", file=sys.stderr)
         return 2
     app = create_app(settings)
-    # The router's drain is uvicorn's own: stop listening, let in-flight requests finish.
+    # The router's drain is uvicorn's own: stop listening, let in-flight requests finish; the
+    # streams still open at --drain-timeout-s end with an error event (router/open_streams.py),
+    # which uvicorn gives END_GRACE_S to go out before it cancels what is left.
     server = DrainingServer(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                        http=timed_http_protocol(settings.header_timeout_s),
@@ -135,7 +138,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                        # by default: any local client could then pick its own identity).
                        proxy_headers=bool(settings.forwarded_allow_ips),
                        forwarded_allow_ips=settings.forwarded_allow_ips or None,
-                       timeout_graceful_shutdown=max(settings.drain_timeout_s, 0.1)),
+                       timeout_graceful_shutdown=settings.drain_timeout_s + END_GRACE_S),
         drain=app.state.gateway.drain)
     run(server, [sock])
     return 0
