@@ -189,7 +189,11 @@ def test_redis_outage_drops_no_request_and_index_heals(tiny_folder, workdir, tmp
         assert w.client.get("/ready").json()["redis"] is False
         server, client = start_redis()  # an empty Redis at the same address
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and client.scard(bkey) < 4 * 7:
+        # The blocks' rewrite and the registration's next heartbeat are separate writes: wait
+        # for both (under load the heartbeat can land after the blocks).
+        while time.monotonic() < deadline and (
+                client.scard(bkey) < 4 * 7
+                or not client.exists(RedisKeys(ns).worker(w.worker_id))):
             time.sleep(0.1)
         # The full rewrite restored every cached block, including those made during the outage.
         assert client.scard(bkey) >= 4 * 7
