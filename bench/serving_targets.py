@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,15 +16,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from tandem.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:

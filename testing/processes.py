@@ -5,7 +5,6 @@ first."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,19 +12,15 @@ from pathlib import Path
 
 import httpx
 
+# A port free now, free until something binds it: a service started on it may still find it
+# taken (`start_on_free_port` retries).
+from tandem.ports import free_port as free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 # How many ports a service is started on before its start fails: a port is taken between
 # free_port and the service's bind only rarely (another test's process got it first).
 PORT_ATTEMPTS = 5
 BIND_FAILED = 2  # the exit status of a tandem service that cannot bind (tandem/commands.py)
-
-
-def free_port() -> int:
-    """A port free now. Free until something binds it: a service started on it may still find
-    it taken (`start_on_free_port` retries)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http_ok(proc: subprocess.Popen, log_path: Path, get, what: str, timeout: float,
