@@ -28,9 +28,9 @@ sees, what the workers measure and the SLOs (docs/planner.md).
   extrapolated over a whole start-up, it asks for a fleet the step never needs.
 - **Damping** (`PoolScaler`): up by at most `max_step_up` a decision, at once past
   `1 + hysteresis` times the fleet, else once two decisions in a row need it; down only
-  `cooldown_s` after the last scale-up, to the highest need of the last `cooldown_s` at
-  `1 + hysteresis` times the load, by at most `max_step_down` a decision; always within
-  [min, max].
+  `cooldown_s` (by default `horizon_s`) after the last scale-up, to the highest need of the
+  last `cooldown_s` at `1 + hysteresis` times the load, by at most `max_step_down` a decision;
+  always within [min, max].
 
 Pure and synchronous: `Planner.update(measurements)` is the whole decision.
 """
@@ -70,7 +70,10 @@ class PlannerConfig:
     headroom: float = 0.5  # forecast-error standard deviations added to the forecast
     trend_damping: float = 0.5  # the trend fades with this time constant, a share of horizon_s
     max_utilization: float = 0.85
-    cooldown_s: float = 120.0
+    # No scale-down sooner than this after a scale-up. Default: `horizon_s`. A worker let go
+    # too early is back within one start-up; holding it longer pays for a whole start-up's
+    # worth of its hours against a risk no larger (docs/planner.md, "Cooldown").
+    cooldown_s: float | None = None
     hysteresis: float = 0.05
     max_step_up: int = 4
     max_step_down: int = 2
@@ -93,6 +96,10 @@ class PlannerConfig:
             raise ValueError("step limits must be at least 1")
         if self.trend_damping <= 0:
             raise ValueError(f"trend_damping must be positive, got {self.trend_damping}")
+        if self.cooldown_s is None:
+            object.__setattr__(self, "cooldown_s", self.horizon_s)
+        elif self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
 
 
 @dataclass(frozen=True)

@@ -269,9 +269,10 @@ class RouterSettings(BaseSettings):
                                      "in one decision at most")
     planner_max_step_down: int = Field(2, ge=1, description="replicas the planner removes from a "
                                        "pool in one decision at most")
-    planner_cooldown_s: float = Field(120.0, ge=0, description="no scale-down sooner than this "
-                                      "after a scale-up, nor below the highest need of this "
-                                      "last window")
+    planner_cooldown_s: float | None = Field(None, ge=0, description="no scale-down sooner "
+                                             "than this after a scale-up, nor below the highest "
+                                             "need of this last window (default: the planner's "
+                                             "horizon, startup plus interval)")
     planner_startup_s: float = Field(60.0, ge=0, description="how long a new worker takes to "
                                      "serve (model load, graph capture): the planner forecasts "
                                      "this far ahead")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -80,6 +81,24 @@ def test_a_trough_scales_down_only_after_the_cooldown_and_one_step_at_a_time():
         assert all(a - b <= CONFIG.max_step_down for a, b in zip(series, series[1:],
                                                                 strict=False))
         assert all(b <= a for a, b in zip(series, series[1:], strict=False))  # never back up
+
+
+def test_the_cooldown_defaults_to_the_horizon_and_noisy_load_still_does_not_flap():
+    cfg = replace(CONFIG, cooldown_s=None, horizon_s=70.0)
+    assert cfg.cooldown_s == 70.0  # a worker let go too early is back within one start-up
+    with pytest.raises(ValueError):
+        replace(CONFIG, cooldown_s=-1.0)
+    planner = Planner(cfg, 1, 1)
+    sizes = run(planner, steady(0, 200, 40_000, 1500, noise=0.25, seed=3))
+    changes = [i for i in range(30, 200) if sizes[i] != sizes[i - 1]]
+    assert len(changes) <= 2, [(i, sizes[i]) for i in changes]
+    # A trough: the busy load's need stays in the window for one horizon, then it comes down.
+    planner = Planner(cfg, 1, 1)
+    busy = run(planner, steady(0, 30, 60_000, 2500))
+    trough = steady(300, 20, 2_000, 100)
+    after = run(planner, trough)
+    first_down = next(m.now for m, size in zip(trough, after, strict=True) if size != busy[-1])
+    assert first_down == 300.0 + 70.0
 
 
 def test_bounds_hold_at_any_load():
