@@ -11,6 +11,7 @@ Targets, all on the same cores, one after another:
 - `colocated`: one Tandem colocated worker, `--threads`, its own /v1/chat/completions;
 - `colocated-thread`, `colocated-proc`, `pd-thread`, `pd-proc`: the same with the engine on a
   thread of each worker or in its own process (`--[no-]engine-process`);
+- `colocated-t<N>` (also after `-thread`/`-proc`): a colocated worker on N threads;
 - `pd`: `tandem up --prefill 1 --decode 1`, one thread per worker, through the router;
 - `vllm-pd`: a vLLM prefill and a vLLM decode server (NixlConnector on host memory, one core
   each) behind `vllm-router --vllm-pd-disaggregation`.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -86,6 +87,11 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
         return f"http://127.0.0.1:{port}"
     # `-thread` / `-proc`: the Tandem targets with the engine on a thread of the worker or in
     # its own process (TANDEM_ENGINE_PROCESS reaches every worker `tandem up` starts).
+    # `-t<N>`: this target's engine on N threads instead of `--threads` (colocated-t1: one
+    # core for the model, the other left to the API and the load, as vLLM CPU binds itself).
+    threads = args.threads
+    if (m := re.fullmatch(r"(.+)-t(\d+)", target)) and m[1].startswith("colocated"):
+        target, threads = m[1], int(m[2])
     engine_env = {}
     for suffix, value in (("-thread", "false"), ("-proc", "true")):
         if target.endswith(suffix) and target.startswith(("colocated", "pd")):
@@ -93,7 +99,7 @@ def start_target(target: str, args, folder: Path, procs: Procs, max_len: int) ->
     if target == "colocated":
         port = free_port()
         procs.start(target, [str(ROOT / ".venv" / "bin" / "tandem"), "colocated", "--model",
-                             str(folder), "--port", str(port), "--threads", str(args.threads),
+                             str(folder), "--port", str(port), "--threads", str(threads),
                              "--kv-memory", "2", "--max-model-len", str(max_len)], engine_env)
         wait_ok(f"http://127.0.0.1:{port}/ready", procs)
         return f"http://127.0.0.1:{port}"
