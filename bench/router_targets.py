@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tandem.ports import wait_open  # noqa: E402
 from testing.processes import free_port  # noqa: E402
 
 
@@ -129,13 +129,8 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def wait_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on {port}")
+    if not wait_open("127.0.0.1", port, timeout, interval_s=0.1):
+        raise TimeoutError(f"nothing listening on {port}")
 
 
 class Targets:

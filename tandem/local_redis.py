@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.ports import free_port, port_open
+from tandem.ports import free_port, port_open, wait_open
 from tandem.server import parent_death_signal
 
 
@@ -27,10 +26,7 @@ class LocalRedis:
         if self.proc is None or self.url is None:
             return
         where = urllib.parse.urlsplit(self.url)
-        for _ in range(100):
-            if port_open(where.hostname or "127.0.0.1", where.port or 6379):
-                break
-            time.sleep(0.05)
+        wait_open(where.hostname or "127.0.0.1", where.port or 6379, timeout_s=5.0)
 
 
 def local_redis(redis_url: str, redis_cluster: bool, log_dir: Path) -> LocalRedis:
