@@ -44,11 +44,11 @@ class DeadlineStreamingResponse(StreamingResponse):
     them for as long as its TCP window stays shut. One still open when the router's drain ends
     (`open_streams.end_all`) ends with an error event and `[DONE]`, not a silent close."""
 
-    def __init__(self, content, *, write_timeout_s: float,
-                 open_streams: OpenStreams | None = None, **kwargs) -> None:
+    def __init__(self, content, *, write_timeout_s: float, open_streams: OpenStreams,
+                 **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.write_timeout_s = write_timeout_s
-        self.open_streams = open_streams or OpenStreams()
+        self.open_streams = open_streams
         self.timed_out = False
 
     async def stream_response(self, send) -> None:
