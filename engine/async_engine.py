@@ -1,8 +1,8 @@
 """The async edge of the engine, in-process: the synchronous `LLMEngine` runs on one dedicated
 thread; coroutines hand it work through `call` (a method of the engine by name, run between
-steps) and read a request's outputs from an asyncio queue. Block events are passed to a callback
-after each step. `engine/core_client.py` offers the same surface with the engine in its own
-process.
+steps; one of `MID_STEP_METHODS` runs at once, under the engine's lock) and read a request's
+outputs from an asyncio queue. Block events are passed to a callback after each step.
+`engine/core_client.py` offers the same surface with the engine in its own process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from common.block_events import BlockEvent
 from engine.engine_client import EngineClient, EngineDeadError, InjectedFault
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import MID_STEP_METHODS, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class AsyncEngine(EngineClient):
                     outputs = engine.step()
                     if outputs:
                         self._loop.call_soon_threadsafe(self._deliver, outputs)
-                events = engine.drain_events()
+                with engine.lock:
+                    events = engine.drain_events()
                 if events and self._on_events is not None:
                     self._on_events(events)
         except BaseException as e:  # noqa: BLE001 - surface to every waiter
@@ -101,11 +102,11 @@ class AsyncEngine(EngineClient):
         except queue.Empty:
             return _noop
 
-    @staticmethod
-    def _execute(cmd) -> bool:
+    def _execute(self, cmd) -> bool:
         if cmd is None:
             return False
-        cmd()
+        with self.engine.lock:  # a mid-step method may be running on another thread
+            cmd()
         return True
 
     def _fail_all(self, error: BaseException) -> None:
@@ -133,6 +134,11 @@ class AsyncEngine(EngineClient):
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error}")
         fn = getattr(self.engine, method)
+        if method in MID_STEP_METHODS:  # not behind the step in progress
+            try:
+                return await asyncio.to_thread(self._locked, fn, args)
+            finally:
+                self._commands.put(_noop)  # an idle engine thread hands on what it cached
         fut = self._loop.create_future()
         self._calls.add(fut)
         fut.add_done_callback(self._calls.discard)
@@ -147,6 +153,10 @@ class AsyncEngine(EngineClient):
 
         self._commands.put(run)
         return await fut
+
+    def _locked(self, fn: Callable, args: tuple) -> Any:
+        with self.engine.lock:
+            return fn(*args)
 
     def post(self, method: str, *args: Any) -> None:
         """Fire and forget the engine's `method(*args)`."""

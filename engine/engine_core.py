@@ -12,19 +12,25 @@ client -> core                          core -> client
   ("post", method, args)                  ("result", call_id, ok, value, stats)
   ("fault",)                              ("step", outputs, events, stats)   per step, batched
   None: stop                              ("dead", message)         the loop failed; it exits
+
+A reader thread receives every message. A call or post of one of `MID_STEP_METHODS` (a peer
+prefix pull's pin, reserve and commit) runs there at once, under the engine's lock, even while a
+step's model forward runs; the rest queue, in order, for the loop to run between steps.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import signal
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_client import InjectedFault
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import MID_STEP_METHODS, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -77,29 +83,62 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = log
         raise SystemExit(1) from e
 
 
+_EOF = ("eof",)  # the reader's last message to the loop: the API process went away
+_WAKE = ("wake",)  # the reader ran a mid-step method: the loop sends its events and figures
+
+
 class EngineCoreLoop:
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # what runs between steps
+        self.send_lock = threading.Lock()  # the loop and the reader both reply
 
     def run(self) -> None:
-        engine, conn = self.engine, self.conn
+        engine = self.engine
+        threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
         while True:
+            msgs = []
             if not engine.scheduler.has_work():
                 # idle: sleep until a message arrives (or, while the KV tiers copy, a moment:
                 # their events are published from here)
-                conn.poll(_TIER_POLL_S if engine.background_busy else None)
+                try:
+                    msgs.append(self.inbox.get(
+                        timeout=_TIER_POLL_S if engine.background_busy else None))
+                except queue.Empty:
+                    pass
+            while True:  # everything queued runs before the next step
+                try:
+                    msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
             posted = False
-            while conn.poll(0):  # everything queued runs before the next step
-                msg = conn.recv()
+            for msg in msgs:
                 if not self._handle(msg):
                     return
-                posted = posted or msg[0] == "post"
+                posted = posted or msg[0] in ("post", "wake")
             outputs = engine.step() if engine.scheduler.has_work() else []
-            events = engine.drain_events()
+            with engine.lock:
+                events, stats = engine.drain_events(), engine.stats()
             # A posted release or abort changes the load figures without a reply to carry them.
             if outputs or events or posted:
-                _send(conn, ("step", outputs, events, engine.stats()))
+                self._send(("step", outputs, events, stats))
+
+    def _read(self) -> None:
+        """The reader thread: mid-step methods here and now, the rest to the loop."""
+        try:
+            while True:
+                msg = self.conn.recv()
+                method = msg[-2] if msg is not None and msg[0] in ("call", "post") else None
+                if method in MID_STEP_METHODS:
+                    self._handle(msg)
+                    self.inbox.put(_WAKE)  # an idle loop publishes what it cached
+                else:
+                    self.inbox.put(msg)
+        except (EOFError, OSError):
+            self.inbox.put(_EOF)
+        except BaseException as e:  # noqa: BLE001 - the loop dies of it, as of its own
+            self.inbox.put(("error", e))
 
     def _handle(self, msg: tuple | None) -> bool:
         if msg is None:
@@ -107,19 +146,28 @@ class EngineCoreLoop:
         kind = msg[0]
         if kind == "call":
             _, call_id, method, args = msg
-            try:
-                value, ok = self._run(method, args), True
-            except Exception as e:  # noqa: BLE001 - raised again in the caller
-                value, ok = e, False
-            _send(self.conn, ("result", call_id, ok, value, self.engine.stats()))
+            with self.engine.lock:
+                try:
+                    value, ok = self._run(method, args), True
+                except Exception as e:  # noqa: BLE001 - raised again in the caller
+                    value, ok = e, False
+                stats = self.engine.stats()
+            self._send(("result", call_id, ok, value, stats))
         elif kind == "post":
             _, method, args = msg
-            try:
-                self._run(method, args)
-            except Exception:  # noqa: BLE001 - fire and forget: nobody waits for it
-                log.exception("posted %s failed", method)
+            with self.engine.lock:
+                try:
+                    self._run(method, args)
+                except Exception:  # noqa: BLE001 - fire and forget: nobody waits for it
+                    log.exception("posted %s failed", method)
         elif kind == "fault":
             raise InjectedFault("injected engine fault")
+        elif kind == "wake":
+            pass
+        elif kind == "eof":
+            raise EOFError("the API process closed the pipe")
+        elif kind == "error":
+            raise msg[1]
         else:
             raise ValueError(f"unknown engine-core message {kind!r}")
         return True
@@ -128,6 +176,10 @@ class EngineCoreLoop:
         if method not in REMOTE_METHODS:
             raise ValueError(f"engine method {method!r} cannot be called remotely")
         return getattr(self.engine, method)(*args)
+
+    def _send(self, msg: tuple) -> None:
+        with self.send_lock:
+            _send(self.conn, msg)
 
 
 def _send(conn: Connection, msg: tuple) -> None:

@@ -13,6 +13,7 @@ For the P/D workers:
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -36,14 +37,24 @@ from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
+# The methods another thread may call while a step's model forward runs, under `LLMEngine.lock`
+# (a peer prefix pull's two ends: engine/prefix_pins.py). They touch only cached and free blocks
+# of the pool, never a block the running step reads or writes, so a pull does not wait for the
+# step a busy worker is in (a long prefill step takes seconds on a CPU).
+MID_STEP_METHODS = frozenset({"pin_prefix", "reserve_prefix", "commit_prefix"})
+
 
 class DuplicateRequestId(ValueError):
     """A request id that a running, held or importing request already has."""
 
 
 class LLMEngine:
+    """`lock`: held by `step()` except while the model runs, and by whoever else calls into the
+    engine between steps while a `MID_STEP_METHODS` call may run on another thread."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.lock = threading.Lock()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.folder = resolve_model(config.model, config.cache_dir)
@@ -197,27 +208,30 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.pipeline is not None and self.pipeline.in_flight is not None:
-            return self.pipeline.step()
-        out = self.scheduler.schedule()
-        if not out:
-            return self._unschedulable()
-        now = time.monotonic()
-        for item in out.scheduled:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = now
-        if self.pipeline is not None and self.pipeline.qualifies(out):
-            return self.pipeline.start(out)
+        with self.lock:
+            if self.pipeline is not None and self.pipeline.in_flight is not None:
+                return self.pipeline.step()
+            out = self.scheduler.schedule()
+            if not out:
+                return self._unschedulable()
+            now = time.monotonic()
+            for item in out.scheduled:
+                if item.seq.first_scheduled_time is None:
+                    item.seq.first_scheduled_time = now
+            if self.pipeline is not None and self.pipeline.qualifies(out):
+                return self.pipeline.start(out)
+        # The model runs unlocked: a mid-step method may pin, reserve or cache other blocks.
         logits, rows = self.runner.execute(out.scheduled)
-        self.scheduler.advance(out)
-        outputs: list[RequestOutput] = []
-        if rows:
-            seqs = [r.seq for r in rows]
-            self.structured.mask(logits, seqs)
-            token_ids, logprobs = self.sampler(logits, seqs)
-            for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
-                outputs.append(self.append_token(seq, token_id, lp))
-        return outputs
+        with self.lock:
+            self.scheduler.advance(out)
+            outputs: list[RequestOutput] = []
+            if rows:
+                seqs = [r.seq for r in rows]
+                self.structured.mask(logits, seqs)
+                token_ids, logprobs = self.sampler(logits, seqs)
+                for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
+                    outputs.append(self.append_token(seq, token_id, lp))
+            return outputs
 
     def _unschedulable(self) -> list[RequestOutput]:
         # A lone request that cannot get blocks even from an empty pool will never run.

@@ -1,25 +1,22 @@
 """The fabric between the workers' localities: what pulling KV from one locality into another
 costs, learned from the pulls that happen (issue 42; docs/architecture.md "Topology").
 
-Each (source locality, destination locality) pair learns from the peer pulls it carries, each
-timed as the request felt it (the holder's export and the puller's pull, engine-step waits at
-both ends included): its bandwidth as the fastest recent pull of at least `MIN_BANDWIDTH_BYTES`
-went (a rate a pull reached is one the link has; a slower one was slowed by something else, so
-the estimate rises at once and decays slowly), and its fixed cost as an EWMA of what each pull
-took beyond moving its bytes at that rate. Until a pair has measured a bandwidth, it is priced
-at its link class's seed (`--link-*-bytes-per-s`, common/locality.py) where
-one is set, else at what the caller knew before localities (the destination's measured transfer
-rate). A worker that reports no locality is its own endpoint (`endpoint`: "#" and its id), so
-its peer pulls are learned per worker pair instead of pooling every such link into one figure
-(a CPU cluster started without localities learns that its pulls wait on engine steps); such a
-pair has no link class, so no seed: until it has measured its own pulls, it is priced at what
-all such pairs have measured together (nothing is known of its link but that), so a fleet
-without localities does not pay for the first pulls of every one of its pairs.
+Each (source locality, destination locality) pair learns from the peer pulls it carries, each timed
+as the request felt it: its bandwidth as the fastest recent pull of at least `MIN_BANDWIDTH_BYTES`
+went (a rate a pull reached is one the link has; a slower one was slowed by something else, so the
+estimate rises at once and decays slowly), and its fixed cost as an EWMA of what each pull took
+beyond moving its bytes at that rate. Until a pair has measured a bandwidth, it is priced at its
+link class's seed (`--link-*-bytes-per-s`, common/locality.py) where one is set, else at what the
+caller knew before localities (the destination's measured transfer rate). A worker that reports no
+locality is its own endpoint (`endpoint`: "#" and its id), so its peer pulls are learned per worker
+pair instead of pooling every such link into one figure; such a pair has no link class, so no seed:
+until it has measured its own pulls, it is priced at what all such pairs have measured together
+(nothing is known of its link but that), so a fleet without localities does not pay for the first
+pulls of every one of its pairs.
 
-What a pull is taught by is the puller's side of it (reserving, moving and caching the blocks):
-the holder's export waits for the step the holder is in, which depends on how busy it is at that
-moment, not on the link, so it is predicted from the holder's load instead, and only what the
-exports take beyond that prediction is learned, fleet-wide (`export`: router/pull_wait.py).
+What a pull is taught by is the puller's side of it (reserving, moving and caching the blocks);
+what the holder's export took is learned apart, fleet-wide (`export`: router/export_time.py), so a
+holder slow to answer does not make its link look slow.
 
 Bounded: at most `MAX_PAIRS` pairs are remembered (the least recently learned go first), so a
 fleet of thousands of localities, or a Redis that invents them, costs bounded memory."""
@@ -30,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from common.locality import LINK_CLASSES, link_class
-from router.pull_wait import ExportWait
+from router.export_time import ExportTime
 
 MAX_PAIRS = 4096
 MIN_BANDWIDTH_BYTES = 1 << 20  # smaller pulls are mostly fixed cost
@@ -97,7 +94,7 @@ class Fabric:
         self.max_pairs = max_pairs
         self._links: OrderedDict[tuple[str, str], Link] = OrderedDict()
         self._unknown = Link()  # every pair keyed by a worker id, learned together
-        self.export = ExportWait()  # exports beyond their predicted wait (router/pull_wait.py)
+        self.export = ExportTime()  # what holders' exports take (router/export_time.py)
 
     @classmethod
     def from_settings(cls, s) -> Fabric:

@@ -2,14 +2,14 @@
 
 Planning (`plan_peer_pull`, called on `kv_aware`'s plan): when another Tandem worker of the same
 identity holds a longer leading match of the prompt than the worker that will compute it (in any
-KV tier), price pulling the difference (the holder's reload of its lower-tier blocks, the wait
-for the engine step the holder is in now, from its load: router/pull_wait.py, then the pull on
-the link between the two workers' localities, at what that pair's pulls have cost:
-router/fabric.py) against recomputing those tokens at its prefill rate; the plan records the
-holder as `kv_source` only when pulling from that holder now is predicted faster. So a near
-holder with a shorter match can beat a far one with a longer match, a busy holder's prefix is
-recomputed where waiting for its step costs more, and over a slow enough link the prompt is
-recomputed.
+KV tier), price pulling the difference (the holder's reload of its lower-tier blocks, its export
+at what exports have taken: router/export_time.py, then the pull on the link between the two
+workers' localities, at what that pair's pulls have cost: router/fabric.py) against recomputing
+those tokens at its prefill rate; the plan records the holder as `kv_source` only when pulling
+from that holder is predicted faster. So a near holder with a shorter match can beat a far one
+with a longer match, and over a slow enough link the prompt is recomputed. A holder answers an
+export at once, even in the middle of a long engine step (engine/llm_engine.py
+`MID_STEP_METHODS`), so how busy it is does not enter the price.
 
 Performing (`export_prefix`, called by the dispatcher): ask the holder to lease those blocks to
 the computing worker (`POST /kv/prefix-export`); its signed prefix handle travels with the compute
@@ -66,14 +66,12 @@ def sources(ctx) -> list[WorkerInfo]:
 
 
 def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo], float],
-              fleet_bw: float | None, holders, fabric: Fabric,
-              wait: Callable[[WorkerInfo], float] = lambda w: 0.0
+              fleet_bw: float | None, holders, fabric: Fabric
               ) -> tuple[float, WorkerInfo | None, int]:
     """(the seconds that pulling saves `c` against recomputing, the holder, the blocks of its
     priced match) for the best of `holders`; (0.0, None, 0) where no pull pays. `rate(w)`: the
-    prefill tokens/s the policy assumes for `w`; `wait(w)`: the seconds an export from `w`
-    waits for its engine now (router/pull_wait.py), plus what exports have taken beyond that;
-    each pull priced on `fabric` for its pair."""
+    prefill tokens/s the policy assumes for `w`; each pull priced at what exports take
+    (`fabric.export`) and on `fabric` for its pair."""
     if c.backend != "tandem":
         return 0.0, None, 0
     held = ctx.matches.get(c.worker_id, 0)
@@ -90,7 +88,7 @@ def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo]
         num_blocks = hit.blocks - held
         if num_blocks <= 0:
             continue
-        pull_s = (hit.reload_s + wait(w) + fabric.export.excess_s
+        pull_s = (hit.reload_s + fabric.export.seconds
                   + fabric.pull_s(endpoint(w), endpoint(c), num_blocks * block_bytes, bandwidth))
         gain = num_blocks * c.block_size / rate(c) - pull_s
         if gain > best[0]:
@@ -99,19 +97,15 @@ def best_pull(c: WorkerInfo, ctx, s: RouterSettings, rate: Callable[[WorkerInfo]
 
 
 def plan_peer_pull(plan, ctx, s: RouterSettings, rate: Callable[[WorkerInfo], float],
-                   fleet_bw: float | None, fabric: Fabric,
-                   wait: Callable[[WorkerInfo], float] = lambda w: 0.0) -> None:
-    """Set `plan.kv_source` / `plan.pull_blocks` where pulling beats recomputing (see above),
-    and `plan.export_wait_s`, the holder's predicted wait (learned against: router/pull_wait.py).
+                   fleet_bw: float | None, fabric: Fabric) -> None:
+    """Set `plan.kv_source` / `plan.pull_blocks` where pulling beats recomputing (see above).
     `kv_aware` already priced every candidate with its best pull (`best_pull` over `sources`);
     this records the pull for the worker it chose, searching every holder."""
     c = computing_worker(plan)
     gain, holder, num_blocks = best_pull(c, ctx, s, rate, fleet_bw,
-                                         (*ctx.prefill, *ctx.decode, *ctx.colocated), fabric,
-                                         wait)
+                                         (*ctx.prefill, *ctx.decode, *ctx.colocated), fabric)
     if holder is not None:
         plan.kv_source, plan.pull_blocks = holder, num_blocks
-        plan.export_wait_s = wait(holder)
 
 
 def peer_held_blocks(plan, ctx) -> int:

@@ -41,7 +41,6 @@ class Plan:
     # computing (router/peer_pull.py); `pull_hashes`: the prompt's hashes (set by the gateway).
     kv_source: WorkerInfo | None = None
     pull_blocks: int = 0
-    export_wait_s: float = 0.0  # the holder's export, as predicted (router/pull_wait.py)
     pull_hashes: list[int] = field(default_factory=list)
     # Blocks another worker held beyond the computing worker's match (router/pull_metrics.py).
     peer_held_blocks: int = 0

@@ -25,7 +25,6 @@ from router.eviction_cost import eviction_s
 from router.fabric import Fabric
 from router.peer_pull import best_pull, peer_held_blocks, plan_peer_pull, sources
 from router.plan import NoWorkers, Plan, Policy, RouteContext, load_key, plan_of
-from router.pull_wait import export_wait_s
 from router.reload_cost import PricedHit, price_hit
 from router.settings import RouterSettings
 from router.tiered_match import MatchByMedium
@@ -50,10 +49,6 @@ class KVAwarePolicy:
         # Unmeasured workers are assumed as fast as the measured ones (same model everywhere).
         return w.prefill_tokens_per_s or self._fleet_rate or self.s.default_prefill_tokens_per_s
 
-    def _export_wait(self, w: WorkerInfo) -> float:
-        """What a prefix export from holder `w` waits for its engine now (router/pull_wait.py)."""
-        return export_wait_s(w, self._rate, self._step_line)
-
     def _hit(self, w: WorkerInfo, ctx: RouteContext) -> PricedHit:
         """`w`'s match (in blocks of its own size) as priced: lower tiers at its reload rates."""
         return price_hit(w, ctx.matches.get(w.worker_id, 0), ctx.media.get(w.worker_id),
@@ -65,7 +60,7 @@ class KVAwarePolicy:
         hit = self._hit(w, ctx)
         uncached = max(ctx.num_tokens - hit.blocks * w.block_size, 1)
         pulled_s = best_pull(w, ctx, self.s, self._rate, self._fleet_bw, self._sources,
-                             self.fabric, self._export_wait)[0]
+                             self.fabric)[0]
         return (w.queued_tokens() + uncached) / self._rate(w) + hit.reload_s - pulled_s, hit
 
     def _evict_s(self, w: WorkerInfo, ctx: RouteContext, hit: PricedHit) -> float:
@@ -250,6 +245,5 @@ def _choose(policy: Policy, num_tokens: int, matches: dict[str, int], live: list
     plan = policy.choose(ctx)
     plan.peer_held_blocks = peer_held_blocks(plan, ctx)
     if isinstance(policy, KVAwarePolicy) and policy.s.peer_pulls:
-        plan_peer_pull(plan, ctx, policy.s, policy._rate, policy._fleet_bw, policy.fabric,
-                       policy._export_wait)
+        plan_peer_pull(plan, ctx, policy.s, policy._rate, policy._fleet_bw, policy.fabric)
     return plan

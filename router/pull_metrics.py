@@ -1,9 +1,8 @@
-"""What the router's peer pulls did, learned and exported (docs/contract.md "Observability"):
-each pull's bytes and seconds (the puller's side) teach the fabric its (source, destination)
-locality pair (router/fabric.py), and count on `/metrics` by that pair; the holder's export
-teaches what exports take beyond the wait predicted from its load (router/pull_wait.py); the
-prompt tokens a peer held that were computed again anyway (no pull planned, or the pull fell
-through) are counted per model.
+"""What the router's peer pulls did, learned and exported (docs/contract.md "Observability"): each
+pull's bytes and seconds (the puller's side) teach the fabric its (source, destination) locality
+pair (router/fabric.py), and count on `/metrics` by that pair; the holder's export teaches what
+exports take (router/export_time.py); the prompt tokens a peer held that were computed again anyway
+(no pull planned, or the pull fell through) are counted per model.
 
 Locality labels come from workers' registrations, bounded in form (common/locality.py) but not
 in number: the first `MAX_PAIR_SERIES` pairs get series of their own, later ones count under
@@ -76,12 +75,12 @@ class PullMetrics:
             seconds: float, export_s: float = 0.0) -> None:
         """The compute leg of `plan` ran on `puller` and pulled `num_tokens` (0: none) in
         `seconds` (the puller's side), after the holder's export took `export_s`: learn and
-        count the pull (the link from the puller's side alone; the export against the wait
-        predicted for it: router/pull_wait.py), and the tokens a peer held that it computed
+        count the pull (the link from the puller's side alone; the export apart:
+        router/export_time.py), and the tokens a peer held that it computed
         anyway."""
         if plan.kv_source is not None:
             if export_s > 0:
-                self.fabric.export.learn(export_s, plan.export_wait_s)
+                self.fabric.export.learn(export_s)
             self.record(plan.kv_source, puller, num_tokens, num_bytes, seconds)
         held = plan.peer_held_blocks * puller.block_size - num_tokens
         if held > 0:
