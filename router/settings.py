@@ -244,8 +244,8 @@ class RouterSettings(BaseSettings):
                              "its blocks from it")
     peer_pull_export_timeout_s: float = Field(
         10.0, gt=0, le=300, description="how long the router waits for a holder to pin and lease "
-        "a prefix for a peer pull before computing the prompt instead: the holder answers "
-        "between two engine steps, and a CPU worker's step with a long prefill takes seconds")
+        "a prefix for a peer pull before computing the prompt instead (it answers in the middle "
+        "of an engine step; a reload from its disk tier or a busy event loop can slow it)")
     # The SLO planner (router/planner.py, docs/planner.md): each model's desired prefill and
     # decode replicas on /metrics (tandem_planner_desired_replicas), for an autoscaler.
     slo_ttft: float = Field(2.0, gt=0, description="time-to-first-token SLO (seconds) the SLO "
