@@ -133,6 +133,7 @@ def test_the_engine_core_process_loop_pins_and_reserves_during_a_step(tiny_folde
     finally:
         ours.send(None)
         loop.join(WAIT_S)
+        ours.close()  # the reader thread's recv ends
     assert not loop.is_alive()
     assert e.pool.num_free_blocks == e.num_blocks
 
