@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev tools demo test test-vllm test-compose lint kernels bench-regress bench-engine bench-kv gpu-wheels clean
+.PHONY: install install-dev tools demo test test-vllm test-compose print-serial-files lint kernels bench-regress bench-engine bench-kv gpu-wheels clean
 
 DEV_STAMP := $(VENV)/.dev-installed-stamp
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
@@ -59,12 +59,19 @@ demo: install
 # (marked serial) then run alone. Exit status 5 is "nothing collected" (a PYTEST_ARGS that
 # names only one phase's tests). The long soaks (marked soak) are run by hand: pytest -m soak.
 TEST_WORKERS ?= 3
+# The files the serial phase collects (collecting all of them takes seconds of the run alone);
+# tests/conftest.py refuses a serial test in a file this misses. SERIAL_FILES= collects all.
+SERIAL_FILES ?= $(shell grep -rl --include='test_*.py' 'mark\.serial' tests)
 test: install-dev tools
 	$(BIN)/tandem prepare-model
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  -m 'not serial and not vllm and not docker and not soak' \
 	  $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(BIN)/python -m pytest -m 'serial and not vllm and not docker' $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m 'serial and not vllm and not docker' $(SERIAL_FILES) $(PYTEST_ARGS) \
+	  || [ $$? -eq 5 ]
+
+print-serial-files:  # what the serial phase collects (tests/test_serial_files.py checks it)
+	@echo $(SERIAL_FILES)
 
 # Tandem's router over two real vLLM CPU servers with the NixlConnector (a 3.5 GB venv).
 test-vllm: install-dev

@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
     # own reordering by test count turned off in the Makefile): longest-first keeps the run's
     # end from waiting on one long file. A file not yet recorded counts as a slow one when it
     # has a test marked slow.
+    check_serial_files(items)
     seconds = _file_durations()
     slow = {_file(item.nodeid) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: -seconds.get(_file(item.nodeid),
@@ -55,6 +56,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def check_serial_files(items) -> None:
+    # `make test`'s serial phase collects only the files that spell `mark.serial` (Makefile
+    # SERIAL_FILES): a test marked serial some other way would never run in either phase.
+    files = {str(item.path) for item in items if item.get_closest_marker("serial")}
+    missed = sorted(f for f in files if "mark.serial" not in Path(f).read_text())
+    if missed:
+        raise pytest.UsageError(f"tests marked serial in files that do not spell "
+                                f"'mark.serial' (Makefile SERIAL_FILES misses them): {missed}")
 
 
 def pytest_runtest_logreport(report):

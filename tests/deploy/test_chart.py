@@ -5,22 +5,20 @@ prometheus-operator packages)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import cloudcoil.models.keda.v1alpha1 as keda
-import cloudcoil.models.prometheus_operator.v1 as prometheus_operator
 import pytest
 import yaml
 
 from tests.deploy.tools import ROOT, find
 
 CHART = ROOT / "charts" / "tandem"
-CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_operator.ServiceMonitor,
-        ("monitoring.coreos.com/v1", "PrometheusRule"): prometheus_operator.PrometheusRule,
-        ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject}
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject")}
 PROMTOOL = find("promtool")
 HELM = find("helm")
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (run `make tools`)")
@@ -52,9 +50,21 @@ def validate(docs: list[dict]) -> None:
     assert r.stdout.count("passed") == len(core)
 
 
+@functools.cache
+def crd_models() -> dict:
+    # Imported on first use, not at collection: the generated models take seconds to import,
+    # and every test process of `make test` collects this file.
+    import cloudcoil.models.keda.v1alpha1 as keda
+    import cloudcoil.models.prometheus_operator.v1 as prometheus_operator
+
+    return {("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_operator.ServiceMonitor,
+            ("monitoring.coreos.com/v1", "PrometheusRule"): prometheus_operator.PrometheusRule,
+            ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject}
+
+
 def validate_custom(doc: dict) -> None:
     """`doc` conforms to its CRD's schema, with no field the schema does not name."""
-    model = CRDS[doc["apiVersion"], doc["kind"]].model_validate(doc)
+    model = crd_models()[doc["apiVersion"], doc["kind"]].model_validate(doc)
     # The models ignore unknown fields, so a field they dropped is one the CRD does not have.
     assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == doc, \
         f"{doc['kind']} {doc['metadata']['name']} has fields its CRD does not define"

@@ -11,6 +11,7 @@ an honest P/D pull through the same port works afterwards."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import struct
@@ -32,7 +33,14 @@ NUM_CONNECTIONS, WAVE = 1000, 100
 MAX_RSS_GROWTH_MIB, MAX_HEALTH_P99_S = 50, 0.1
 # A header that passes JSON parsing but fails validation once per element: ~1 s of the worker's
 # event loop each, on the code before the preamble.
-JUNK = b'{"op":"pull","request_id":"x","block_ids":[' + b",".join([b"-1"] * 5_000_000) + b"]}"
+# Built once, when the first attacker sends it (not at collection: every test process collects).
+JUNK_BLOCK_IDS = 5_000_000
+
+
+@functools.cache
+def junk() -> bytes:
+    return b'{"op":"pull","request_id":"x","block_ids":[' + b",".join(
+        [b"-1"] * JUNK_BLOCK_IDS) + b"]}"
 
 PROBE = """
 import sys, threading, time, json, httpx
@@ -96,7 +104,7 @@ async def hostile(host: str, port: int, kind: str, held: list) -> bool:
         elif kind == "garbage":
             writer.write(os.urandom(64))
         elif kind == "junk":  # a 14 MiB header: its length, then its bytes
-            writer.write(struct.pack(">I", len(JUNK)) + JUNK)
+            writer.write(struct.pack(">I", len(junk())) + junk())
         if kind != "idle":
             await asyncio.wait_for(writer.drain(), 5)
     except (OSError, TimeoutError):
@@ -134,6 +142,7 @@ async def attack(host: str, port: int, pid: int, before: float) -> tuple[int, fl
 
 def test_a_thousand_hostile_connections_cost_no_memory_and_no_stall(pd, reference):
     p, d = pd
+    junk()  # built before the attack, not on its event loop
     md = p.client.get("/kv/metadata").json()
     host, port = md["params"]["host"], md["params"]["port"]
     honest_pull(p, d, reference, 1)  # warm: the transports' buffers exist before the baseline
