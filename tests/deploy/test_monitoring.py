@@ -200,8 +200,8 @@ def test_real_prometheus_scrapes_the_processes_and_answers_the_hit_ratio(tiny_fo
                         and float(res[0]["value"][1]) > 0):
                     value = float(res[0]["value"][1])
                     break
-            except (httpx.HTTPError, KeyError):
-                pass
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass  # Prometheus still starting: it answers 503 "Service Unavailable", not JSON
             time.sleep(0.5)
         assert value is not None, f"no hit ratio from Prometheus (up={up})"
         assert 0 < value < 1  # later turns hit the earlier turns' blocks; the first turn cannot
