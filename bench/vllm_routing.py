@@ -18,6 +18,8 @@ same point of the same load:
 - `steady`: one router, every request through it.
 - `replicas`: 4 router replicas, every conversation's turns going round them (a load balancer
   that does not pin sessions): an approximate index learns only from its own replica's decisions.
+  `replicas2`: the same with 2 (with `steady` and `replicas`, the sweep over 1 / 2 / 4 routers:
+  `--scenario steady,replicas2,replicas --out vllm_routing_sweep.json`).
 - `out_of_band`: one router; each conversation's odd turns go straight to a vLLM server drawn
   from (seed, conversation, turn), as another client or router of the fleet (a batch job) would
   send them; the even turns go through the router (the ideal: to the server of the turn before).
@@ -39,7 +41,7 @@ out-of-band traffic or a restart). The summary gives
 exact/ideal and exact over each other arm. `tandem-exact-full` is the exact arm with
 `--vllm-report-full-prefix` (every request re-reports its cached prefix): its cost is its TTFT and
 the KV event bytes and blocks the servers published (counted by a second subscriber). Writes
-bench/results/vllm_routing.json.
+bench/results/vllm_routing.json (`--out`), keeping from it the runs of the scenarios not run.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from vllm_routing_load import (  # noqa: E402
     VLLMRouterProc,
     prev_prompt_hits,
 )
+from vllm_routing_report import summarize  # noqa: E402
 
 from loadgen.report import percentiles  # noqa: E402
 from loadgen.runner import RunConfig  # noqa: E402
@@ -80,11 +83,13 @@ RESULTS = ROOT / "bench" / "results"
 BLOCK_SIZE = 32
 ARMS = ("ideal-sticky", "tandem-exact", "tandem-exact-full", "tandem-approx",
         "vllm-router-cache-aware", "vllm-router-kv-aware", "round-robin")
-SCENARIOS = {"steady": Scenario(), "replicas": Scenario(routers=4),
+SCENARIOS = {"steady": Scenario(), "replicas2": Scenario(routers=2),
+             "replicas": Scenario(routers=4),
              "out_of_band": Scenario(out_of_band=True), "restart": Scenario(pause="server"),
              "router_restart": Scenario(pause="router")}
 SCENARIO_NOTES = {
     "steady": "1 router, every request through it",
+    "replicas2": "2 router replicas, each conversation's turns going round them",
     "replicas": "4 router replicas, each conversation's turns going round them",
     "out_of_band": "1 router; odd turns straight to a server drawn from (seed, conversation, "
                    "turn), as another client of the fleet would send them",
@@ -192,25 +197,6 @@ def run_arm(arm: str, name: str, args, fleet, folder: Path, log_dir: Path) -> di
             "event_blocks_stored": sum(e[1] for e in events)}
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    out = []
-    for name in [n for n in SCENARIOS if any(r.get("scenario") == n for r in runs)]:
-        by_arm = {r["arm"]: r for r in runs
-                  if r.get("scenario") == name and r.get("hit_ratio") is not None}
-        exact, ideal = by_arm.get("tandem-exact"), by_arm.get("ideal-sticky")
-        if not exact:
-            continue
-        row = {"scenario": name, "exact_hit_ratio": exact["hit_ratio"],
-               "ideal_hit_ratio": ideal and ideal["hit_ratio"],
-               "exact_over_ideal": ideal and round(exact["hit_ratio"] / ideal["hit_ratio"], 3)}
-        for arm in ("tandem-approx", "vllm-router-cache-aware", "vllm-router-kv-aware",
-                    "round-robin"):
-            if by_arm.get(arm, {}).get("hit_ratio"):
-                row[f"exact_over_{arm}"] = round(exact["hit_ratio"] / by_arm[arm]["hit_ratio"], 2)
-        out.append(row)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,6 +209,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=48, help="KV blocks per server")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="vllm_routing.json", help="file name under bench/results/")
     args = ap.parse_args()
 
     from engine.model_store import resolve_model
@@ -252,7 +239,7 @@ def main() -> int:
         # no scenario: its 1 and 4 replicas were steady and replicas).
         kept = []
         with contextlib.suppress(OSError, ValueError):
-            for r in json.loads((RESULTS / "vllm_routing.json").read_text())["runs"]:
+            for r in json.loads((RESULTS / args.out).read_text())["runs"]:
                 r.setdefault("scenario", {1: "steady", 4: "replicas"}.get(r.get("routers")))
                 if r["scenario"] in SCENARIOS and r["scenario"] not in names:
                     kept.append(r)
@@ -277,8 +264,8 @@ def write_results(args, runs: list[dict]) -> dict:
     result = {"conversations": args.conversations, "turns": args.turns,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "num_blocks": args.num_blocks, "block_size": BLOCK_SIZE, "seed": args.seed,
-              "scenarios": SCENARIO_NOTES, "runs": runs, "summary": summarize(runs)}
-    write_result(RESULTS / "vllm_routing.json", result)
+              "scenarios": SCENARIO_NOTES, "runs": runs, "summary": summarize(runs, SCENARIOS)}
+    write_result(RESULTS / args.out, result)
     return result
 
 
