@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.flags import flag_name, shown_default
+from tandem.flags import fields_in_order, flag_name, shown_default
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 # Flags of `up`, `demo`, `chat`, `prepare-model` that mean exactly what the worker setting means.
@@ -28,8 +28,8 @@ command line; edit those, not this page (tests/test_docs.py fails when it is sta
 Every setting of a service is a command-line flag and an environment variable. A flag given on
 the command line wins; a setting without a flag comes from its environment variable, then from
 the default. The flags are generated from the same settings classes as these tables
-(`router/settings.py`, `worker/settings.py`, `vllm_bridge/settings.py`), so `tandem router
---help` and this page say the same thing.
+(`router/settings.py` with `router/planner_settings.py`, `worker/settings.py`,
+`vllm_bridge/settings.py`), so `tandem router --help` and this page say the same thing.
 
 - `TANDEM_INTERNAL_TOKEN` sets the internal token of every service (routers, workers, vLLM
   bridges, `tandem up`).
@@ -51,7 +51,7 @@ def settings_table(cls, title: str, command: str, skip: tuple[str, ...] = (),
     aliases = aliases or {}
     rows = [f"## {title}", "", f"`{command} --flag`, or the environment variable; a flag wins.",
             "", "| flag | env | default | meaning |", "|---|---|---|---|"]
-    for name, field in cls.model_fields.items():
+    for name, field in fields_in_order(cls).items():
         if name in skip:
             continue
         flags = ", ".join(f"`{f}`" for f in (flag_name(name), *aliases.get(name, [])))

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -26,7 +27,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
     aliases = aliases or {}
     group = parser.add_argument_group("settings (environment "
                                       f"{cls.model_config.get('env_prefix', '')}*)")
-    for name, field in cls.model_fields.items():
+    for name, field in fields_in_order(cls).items():
         if name in skip:
             continue
         flags = [flag_name(name), *aliases.get(name, [])]
@@ -54,6 +55,14 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings],
 def given(args: argparse.Namespace, cls: type[BaseSettings]) -> dict[str, Any]:
     """The settings of `cls` the user gave as flags."""
     return {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
+
+
+def fields_in_order(cls: type[BaseModel]) -> dict[str, FieldInfo]:
+    """`cls`'s fields, its own first (pydantic puts a base's first): a settings class keeps its
+    order in `--help` and the reference when a group of its fields lives in a base it mixes in
+    (router/planner_settings.py)."""
+    own = [name for name in vars(cls).get("__annotations__", {}) if name in cls.model_fields]
+    return {name: cls.model_fields[name] for name in [*own, *cls.model_fields]}
 
 
 def flag_name(field: str) -> str:

@@ -122,6 +122,21 @@ def test_every_setting_is_a_flag(command, cls_name):
         assert getattr(settings, name) == (True if kind is bool else got[name]), name
 
 
+def test_a_settings_class_keeps_its_own_fields_first():
+    """The SLO planner's fields live in a base the router's settings mix in, and pydantic puts a
+    base's fields first: --help and the reference still list the router's own first, each field
+    once."""
+    from router.planner_settings import PlannerSettings
+    from router.settings import RouterSettings
+    from tandem.flags import fields_in_order
+
+    names = list(fields_in_order(RouterSettings))
+    assert sorted(names) == sorted(RouterSettings.model_fields)
+    planner = list(PlannerSettings.model_fields)
+    assert names[:2] == ["host", "port"] and names[-len(planner):] == planner
+    assert list(RouterSettings.model_fields)[:len(planner)] == planner  # what it undoes
+
+
 def test_old_flag_spellings_and_global_flags_after_the_subcommand():
     from tandem.cli import build_parser
     from tandem.settings import router_settings, worker_settings
