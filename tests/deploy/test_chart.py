@@ -5,7 +5,7 @@ prometheus-operator packages)."""
 
 from __future__ import annotations
 
-import functools
+import importlib
 import json
 import subprocess
 import sys
@@ -17,8 +17,10 @@ import yaml
 from tests.deploy.tools import ROOT, find
 
 CHART = ROOT / "charts" / "tandem"
-CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),
-        ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject")}
+# Each custom resource the chart renders: the cloudcoil models package its kind's model is in.
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "prometheus_operator.v1",
+        ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheus_operator.v1",
+        ("keda.sh/v1alpha1", "ScaledObject"): "keda.v1alpha1"}
 PROMTOOL = find("promtool")
 HELM = find("helm")
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (run `make tools`)")
@@ -50,21 +52,16 @@ def validate(docs: list[dict]) -> None:
     assert r.stdout.count("passed") == len(core)
 
 
-@functools.cache
-def crd_models() -> dict:
+def crd_model(api_version: str, kind: str):
     # Imported on first use, not at collection: the generated models take seconds to import,
     # and every test process of `make test` collects this file.
-    import cloudcoil.models.keda.v1alpha1 as keda
-    import cloudcoil.models.prometheus_operator.v1 as prometheus_operator
-
-    return {("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_operator.ServiceMonitor,
-            ("monitoring.coreos.com/v1", "PrometheusRule"): prometheus_operator.PrometheusRule,
-            ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject}
+    module = importlib.import_module(f"cloudcoil.models.{CRDS[api_version, kind]}")
+    return getattr(module, kind)
 
 
 def validate_custom(doc: dict) -> None:
     """`doc` conforms to its CRD's schema, with no field the schema does not name."""
-    model = crd_models()[doc["apiVersion"], doc["kind"]].model_validate(doc)
+    model = crd_model(doc["apiVersion"], doc["kind"]).model_validate(doc)
     # The models ignore unknown fields, so a field they dropped is one the CRD does not have.
     assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == doc, \
         f"{doc['kind']} {doc['metadata']['name']} has fields its CRD does not define"

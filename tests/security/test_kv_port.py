@@ -104,7 +104,8 @@ async def hostile(host: str, port: int, kind: str, held: list) -> bool:
         elif kind == "garbage":
             writer.write(os.urandom(64))
         elif kind == "junk":  # a 14 MiB header: its length, then its bytes
-            writer.write(struct.pack(">I", len(junk())) + junk())
+            header = junk()
+            writer.write(struct.pack(">I", len(header)) + header)
         if kind != "idle":
             await asyncio.wait_for(writer.drain(), 5)
     except (OSError, TimeoutError):
