@@ -64,6 +64,7 @@ TEST_WORKERS ?= 3
 SERIAL_FILES ?= $(shell grep -rl --include='test_*.py' 'mark\.serial' tests)
 test: install-dev tools
 	$(BIN)/tandem prepare-model
+	$(BIN)/python -m engine.cpu_ops  # the fused CPU ops, built once before the workers start
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  -m 'not serial and not vllm and not docker and not soak' \
 	  $(PYTEST_ARGS) || [ $$? -eq 5 ]

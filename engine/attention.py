@@ -8,7 +8,7 @@ one call per sequence (they are few and long).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,9 @@ class AttentionMetadata:
     # The decode rows' keys and values kept between steps (engine/decode_kv_mirror.py); None:
     # gathered from the blocks in each layer
     decode_kv: DecodeKVStep | None = None
-    fused_ops: ClassVar[Any] = None  # the CPU path: plain torch ops
+    # The fused layer ops the model runs with (engine/cpu_ops.py), or None: plain torch ops
+    fused_ops: Any = None
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, block * block_size + offset
 
     def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(kv_cache, k, v, self)
@@ -99,14 +101,28 @@ def paged_attention(
                                                           head_dim).transpose(1, 2)
             v = _gather_blocks(kv_cache[:, 1], flat).view(nd, -1, num_kv_heads,
                                                           head_dim).transpose(1, 2)
-        # k, v: [nd, kvh, L, d]
-        qd = q[:nd].unsqueeze(2)  # [nd, h, 1, d]
-        od = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+        out[:nd] = decode_attention(q[:nd], k, v, meta.decode_mask, scale)
     prefill_attention(q, kv_cache, meta.prefills, scale, k_new, v_new, out)
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,  # [nd, num_heads, head_dim], one query per row
+    k: torch.Tensor,  # [nd, kvh, L, d]
+    v: torch.Tensor,  # [nd, kvh, L, d]
+    mask: torch.Tensor,  # [nd, 1, 1, L] float: 0 where a key is attended, -inf past the row
+    scale: float,
+) -> torch.Tensor:  # [nd, num_heads, head_dim]
+    """One query per row against its keys, the query heads of a KV head as the rows of one
+    matmul. A decode step reads every row's keys and values once this way; CPU SDPA's flash
+    kernel (enable_gqa) was 25% slower at 4 rows x 256-512 keys, at this machine's memory
+    bandwidth here (bench/cpu_ops.py). The softmax is exact where SDPA's is online: the two
+    agree to float32 rounding."""
+    nd, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, d)  # head j reads KV head j // g
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(mask)  # [nd, kvh, g, L]
+    return torch.matmul(torch.softmax(scores, dim=-1), v).view(nd, num_heads, d)
 
 
 def prefill_attention(

@@ -137,6 +137,10 @@ class EngineConfig:
     # Reorder weights once for oneDNN where supported (CPU float32): 1.6-2.5x faster matmuls at
     # decode batch sizes (engine/linear.py).
     pack_weights: bool = True
+    # Fused C++ layer ops on CPU float32 (RMSNorm with the residual add, RoPE with the KV store,
+    # SiLU-and-multiply: engine/cpu_ops.py), built once into `<cache_dir>/cpu_ops/`; where no
+    # compiler builds them, the plain torch ops.
+    cpu_ops: bool = True
     # Back the KV cache with this file (on CPU, a shared mapping in /dev/shm) instead of private
     # memory, so the worker's API process, which runs the KV transfer, maps the same blocks as
     # the engine-core process that computes them (engine/core_client.py).

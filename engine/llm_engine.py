@@ -21,11 +21,12 @@ import torch
 from common.model_identity import model_digest
 from common.protocol import Tenant
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_ops import CpuLayerOps, load_cpu_ops
 from engine.decode_pipeline import DecodePipeline
 from engine.kv_imports import KVImports
 from engine.kv_store import KVStore
 from engine.model_runner import ModelRunner
-from engine.model_store import resolve_model
+from engine.model_store import default_cache_dir, resolve_model
 from engine.output import RequestOutput, output_of
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -92,7 +93,8 @@ class LLMEngine:
                                   attention=config.attention, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager,
-                                  decode_kv_mirror_bytes=config.decode_kv_mirror_bytes)
+                                  decode_kv_mirror_bytes=config.decode_kv_mirror_bytes,
+                                  layer_ops=self._cpu_ops())
         self.sampler = Sampler(config.seed)
         self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size,
                                             self.eos_token_ids)
@@ -110,6 +112,14 @@ class LLMEngine:
                                  self.pipeline.wait if self.pipeline is not None else lambda: None)
 
     # ---- requests -------------------------------------------------------------------------
+
+    def _cpu_ops(self) -> CpuLayerOps | None:
+        """The fused C++ layer ops where they apply: CPU, float32 weights and cache, SDPA."""
+        c = self.config
+        if not (c.cpu_ops and self.device.type == "cpu" and self.dtype == torch.float32
+                and self.kv_cache.dtype == torch.float32 and c.attention == "sdpa"):
+            return None
+        return load_cpu_ops((c.cache_dir or default_cache_dir()) / "cpu_ops")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None, tenant: Tenant | None = None) -> Sequence:

@@ -30,7 +30,9 @@ class ModelRunner:
         max_model_len: int = 2048,
         enforce_eager: bool = True,
         decode_kv_mirror_bytes: int = 0,
+        layer_ops: object | None = None,
     ) -> None:
+        """`layer_ops`: the SDPA path's fused layer ops (engine/cpu_ops.py), or None."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; "
                              f"known: {', '.join(ATTENTION_BACKENDS)}")
@@ -39,6 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention
+        self.layer_ops = layer_ops if attention == "sdpa" else None
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enabled
@@ -138,15 +141,19 @@ class ModelRunner:
                     block_table=torch.tensor(table, dtype=torch.long, device=self.device),
                 )
             )
+        blocks = torch.tensor(slot_blocks, dtype=torch.long, device=self.device)
+        offsets = torch.tensor(slot_offsets, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=self.device),
+            slot_blocks=blocks,
+            slot_offsets=offsets,
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             decode_mask=decode_mask,
             prefills=chunks,
             decode_kv=decode_kv,
+            fused_ops=self.layer_ops,
+            slot_mapping=None if self.layer_ops is None else blocks * bs + offsets,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if pending:

@@ -12,7 +12,7 @@ from tandem.flags import add_settings_flags
 
 # Fields of WorkerSettings that the offline engine (`tandem chat`) takes.
 ENGINE_FIELDS = ("model", "cache_dir", "device", "dtype", "num_blocks", "kv_memory_gb",
-                 "block_size", "threads", "pack_weights", "enforce_eager")
+                 "block_size", "threads", "pack_weights", "cpu_ops", "enforce_eager")
 # Older spellings that scripts, charts and the compose file use.
 WORKER_ALIASES = {"kv_memory_gb": ["--kv-memory"], "heartbeat_ttl_s": ["--heartbeat-ttl"],
                   "fault_injection": ["--enable-fault-injection"]}

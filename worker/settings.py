@@ -75,6 +75,9 @@ class WorkerSettings(BaseSettings):
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
     pack_weights: bool = Field(True, description="oneDNN-prepacked matmul weights on CPU float32 "
                                "(engine/linear.py)")
+    cpu_ops: bool = Field(True, description="fused C++ layer ops on CPU float32, built once "
+                          "into <cache-dir>/cpu_ops with the machine's compiler; without one, "
+                          "torch's ops (engine/cpu_ops.py)")
     enforce_eager: bool = Field(False, description="no CUDA graphs: every engine step runs "
                                 "eagerly (as vLLM's flag); on CPU graphs are never used")
     # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
@@ -156,7 +159,8 @@ class WorkerSettings(BaseSettings):
             kv_memory_bytes=int(self.kv_memory_gb * (1 << 30)), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold or None,
-            num_threads=self.threads, pack_weights=self.pack_weights, hash_salt=self.hash_salt,
+            num_threads=self.threads, pack_weights=self.pack_weights, cpu_ops=self.cpu_ops,
+            hash_salt=self.hash_salt,
             enforce_eager=self.enforce_eager, max_unread_tokens=self.max_unread_tokens or None,
             parked_timeout_s=self.parked_timeout_s, scheduling_policy=self.scheduling_policy,
             host_kv_bytes=int(self.host_kv_gb * (1 << 30)),

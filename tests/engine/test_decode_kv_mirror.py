@@ -2,7 +2,7 @@
 it equal those without it, through staggered arrivals, shared prefixes, aborts and preemption;
 rows are kept only from the step just before, with the same blocks.
 
-Attention reads the same values (bit for bit: the same SDPA on the same keys), but the decode
+Attention reads the same values (bit for bit: the same attention on the same keys), but the decode
 rows run in the mirror's order, and a CPU matmul's last bits depend on a row's place in the
 batch, as they depend on the batch's size: logprobs agree to float32 rounding."""
 

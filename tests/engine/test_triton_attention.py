@@ -24,7 +24,10 @@ def sdpa_decode(q, layer, tables, lens, scale):
     """The CPU path's decode attention over the same cache (gather + masked SDPA)."""
     lens_t = torch.tensor(lens, device=q.device)
     width = tables.shape[1] * BLOCK_SIZE
-    mask = (torch.arange(width, device=q.device)[None, :] < lens_t[:, None])[:, None, None, :]
+    attended = (torch.arange(width, device=q.device)[None, :] < lens_t[:, None])[:, None, None, :]
+    # a float mask, as the model runner builds it
+    mask = torch.zeros(attended.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~attended, float("-inf"))
     meta = AttentionMetadata(slot_blocks=None, slot_offsets=None, num_decode_tokens=len(lens),
                              decode_block_tables=tables.long(), decode_context_lens=lens_t,
                              decode_mask=mask, prefills=[])
