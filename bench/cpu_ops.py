@@ -7,6 +7,11 @@
   the same weights prepacked by oneDNN (engine/linear.py), for 1..256 rows.
 - gather: one layer's decode K/V gather over the paged cache, advanced indexing against
   `index_select` over whole blocks (engine/attention.py), and the SDPA call that follows.
+- attention: one decode step's attention over the decode rows' kept keys and values (30 layers
+  of them, so they stream from memory as in the model), CPU SDPA (`enable_gqa`) against
+  `engine.attention.decode_attention` (one matmul per KV head).
+
+`--sections` picks some (`--out`, relative to bench/results, names the file).
 
 Prints JSON and writes bench/results/cpu_ops.json; ratios are within one run (the machine is noisy).
 """
@@ -88,21 +93,50 @@ def bench_gather(cases: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
+@torch.inference_mode()
+def bench_attention(cases: list[tuple[int, int]]) -> list[dict]:
+    from engine.attention import decode_attention
+
+    out = []
+    for num_seqs, context in cases:
+        shape = (num_seqs, NUM_KV_HEADS, context, HEAD_DIM)
+        layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(NUM_LAYERS)]
+        q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM)
+        mask = torch.zeros(num_seqs, 1, 1, context)
+        mask[:, ..., context - context // 4 :] = float("-inf")  # rows shorter than the longest
+        scale = HEAD_DIM**-0.5
+        t_sdpa = timed(lambda: [F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            for k, v in layers], 5)
+        t_ours = timed(lambda: [decode_attention(q, k, v, mask, scale) for k, v in layers], 5)
+        kv_bytes = 2 * NUM_LAYERS * num_seqs * NUM_KV_HEADS * context * HEAD_DIM * 4
+        out.append({"num_seqs": num_seqs, "context": context, "sdpa_ms": round(t_sdpa, 3),
+                    "decode_attention_ms": round(t_ours, 3), "speedup": round(t_sdpa / t_ours, 2),
+                    "kv_gb_per_s": round(kv_bytes / t_ours / 1e6, 1)})
+        print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,64,256")
+    ap.add_argument("--sections", default="linear,gather,attention")
+    ap.add_argument("--out", default="cpu_ops.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = {
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "linear_one_step": bench_linear([int(r) for r in args.rows.split(",")]),
-        "decode_gather_one_layer": bench_gather([(1, 200), (4, 200), (4, 1000), (16, 1000)]),
-    }
+    sections = args.sections.split(",")
+    result = {"threads": args.threads, "torch": torch.__version__}
+    if "linear" in sections:
+        result["linear_one_step"] = bench_linear([int(r) for r in args.rows.split(",")])
+    if "gather" in sections:
+        result["decode_gather_one_layer"] = bench_gather([(1, 200), (4, 200), (4, 1000),
+                                                          (16, 1000)])
+    if "attention" in sections:
+        result["decode_attention_one_step"] = bench_attention([(4, 256), (4, 512), (16, 512)])
     print(json.dumps(result, indent=2))
-    write_result(ROOT / "bench" / "results" / "cpu_ops.json", result)
+    write_result(ROOT / "bench" / "results" / args.out, result)
 
 
 if __name__ == "__main__":

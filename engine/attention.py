@@ -114,10 +114,9 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [nd, num_heads, head_dim]
     """One query per row against its keys, the query heads of a KV head as the rows of one
-    matmul. A decode step reads every row's keys and values once this way; CPU SDPA's flash
-    kernel (enable_gqa) was 25% slower at 4 rows x 256-512 keys, at this machine's memory
-    bandwidth here (bench/cpu_ops.py). The softmax is exact where SDPA's is online: the two
-    agree to float32 rounding."""
+    matmul, each row's keys and values read once: faster than CPU SDPA's flash kernel with
+    `enable_gqa` at decode shapes (`bench/cpu_ops.py --sections attention`). The softmax is
+    exact where SDPA's is online: the two agree to float32 rounding."""
     nd, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
     qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, d)  # head j reads KV head j // g
