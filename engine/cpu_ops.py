@@ -41,8 +41,7 @@ class CpuLayerOps:
     """The fused ops under engine/fused_ops.py's names, which the model calls them by:
     `add_rms_norm(x, residual, weight, eps) -> [normed, residual]`,
     `rope_store(qkv, positions, cos, sin, kv_cache, slot_mapping, num_heads)` (in place) and
-    `silu_mul(gate_up)`. The torch ops themselves, not wrappers: a Python frame around each
-    would cost a tenth of what fusing saves."""
+    `silu_mul(gate_up)`: the torch ops themselves, their overloads bound once."""
 
     def __init__(self, library: Path) -> None:
         self.library = library
@@ -59,14 +58,14 @@ def build_digest(source: Path = SOURCE) -> str:
 
 
 def load_cpu_ops(build_root: Path, source: Path = SOURCE) -> CpuLayerOps | None:
-    """The ops from `build_root`, built there first if needed; None if they cannot be built."""
-    if _registered():
-        return CpuLayerOps(build_root)  # loaded already in this process
+    """The ops from `build_root`, built there first if needed; None if they cannot be built.
+    A process loads them once: later calls find them registered."""
     try:
         library = build_root / build_digest(source) / LIBRARY
-        if not library.exists():
-            _build(source, library)
-        torch.ops.load_library(str(library))
+        if not _registered():
+            if not library.exists():
+                _build(source, library)
+            torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the fused CPU ops could not be built (%s); running the plain torch ops", e)
         return None
