@@ -138,8 +138,9 @@ class EngineConfig:
     # decode batch sizes (engine/linear.py).
     pack_weights: bool = True
     # Fused C++ layer ops on CPU float32 (RMSNorm with the residual add, RoPE with the KV store,
-    # SiLU-and-multiply: engine/cpu_ops.py), built once into `<cache_dir>/cpu_ops/`; where no
-    # compiler builds them, the plain torch ops.
+    # SiLU-and-multiply: engine/cpu_ops.py), built once per user into ~/.cache/tandem/cpu_ops/
+    # (not under `cache_dir`: a build serves every model folder); where no compiler builds them,
+    # the plain torch ops.
     cpu_ops: bool = True
     # Back the KV cache with this file (on CPU, a shared mapping in /dev/shm) instead of private
     # memory, so the worker's API process, which runs the KV transfer, maps the same blocks as

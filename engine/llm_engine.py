@@ -119,7 +119,7 @@ class LLMEngine:
         if not (c.cpu_ops and self.device.type == "cpu" and self.dtype == torch.float32
                 and self.kv_cache.dtype == torch.float32 and c.attention == "sdpa"):
             return None
-        return load_cpu_ops((c.cache_dir or default_cache_dir()) / "cpu_ops")
+        return load_cpu_ops(default_cache_dir() / "cpu_ops")  # per user, whatever the model cache
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None, tenant: Tenant | None = None) -> Sequence:

@@ -76,8 +76,8 @@ class WorkerSettings(BaseSettings):
     pack_weights: bool = Field(True, description="oneDNN-prepacked matmul weights on CPU float32 "
                                "(engine/linear.py)")
     cpu_ops: bool = Field(True, description="fused C++ layer ops on CPU float32, built once "
-                          "into <cache-dir>/cpu_ops with the machine's compiler; without one, "
-                          "torch's ops (engine/cpu_ops.py)")
+                          "into ~/.cache/tandem/cpu_ops with the machine's compiler; without "
+                          "one, torch's ops (engine/cpu_ops.py)")
     enforce_eager: bool = Field(False, description="no CUDA graphs: every engine step runs "
                                 "eagerly (as vLLM's flag); on CPU graphs are never used")
     # HTTP and streaming never wait on the engine for the GIL. Unset: on for colocated CPU
