@@ -31,3 +31,18 @@ def triton_kernels():
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernels.fix_interpreter_scalars()
     return kernels
+
+
+@pytest.fixture(scope="session")
+def rope_512():
+    """RoPE tables of a small Llama config (4 heads, 2 KV heads of 64) for positions 0..511."""
+    from engine.config import ModelConfig
+    from engine.rope import RotaryEmbedding
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 256,
+                                 "intermediate_size": 8, "num_hidden_layers": 1,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 512})
+    rope = RotaryEmbedding(cfg, 512)
+    rope.init_tables("cpu")
+    return rope

@@ -12,11 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import ModelConfig
 from engine.cpu_ops import LIBRARY, SOURCE, build_digest, load_cpu_ops
 from engine.model import RMSNorm
 from engine.model_store import default_cache_dir
-from engine.rope import RotaryEmbedding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,17 +41,12 @@ def test_add_rms_norm_matches_the_torch_path(ops, rows):
         torch.testing.assert_close(first, norm(x), rtol=2e-6, atol=2e-6)
 
 
-def test_rope_store_rotates_like_the_torch_path_and_fills_the_slots(ops):
-    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 256,
-                                 "intermediate_size": 8, "num_hidden_layers": 1,
-                                 "num_attention_heads": 4, "num_key_value_heads": 2,
-                                 "max_position_embeddings": 64})
-    rope = RotaryEmbedding(cfg, 64)
-    rope.init_tables("cpu")
+def test_rope_store_rotates_like_the_torch_path_and_fills_the_slots(ops, rope_512):
+    rope = rope_512
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, tokens = 4, 2, 64, 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
-    positions = torch.tensor([0, 1, 9, 33, 63])
+    positions = torch.tensor([0, 1, 9, 300, 511])
     # a layer's view of a two-layer cache [num_blocks, num_layers, 2, block_size, kvh, d]
     cache = torch.zeros(6, 2, 2, 4, kv_heads, d)
     layer = cache[:, 1]

@@ -8,9 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine.attention import decode_attention
-from engine.config import ModelConfig
 from engine.model import RMSNorm
-from engine.rope import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,13 +23,8 @@ def test_rms_norm_is_transformers_bit_for_bit(dtype):
         assert torch.equal(ours(x), theirs(x))
 
 
-def test_rope_is_transformers_bit_for_bit():
-    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 256,
-                                 "intermediate_size": 8, "num_hidden_layers": 1,
-                                 "num_attention_heads": 4, "num_key_value_heads": 2,
-                                 "max_position_embeddings": 512})
-    rope = RotaryEmbedding(cfg, 512)
-    rope.init_tables("cpu")
+def test_rope_is_transformers_bit_for_bit(rope_512):
+    rope = rope_512
     g = torch.Generator().manual_seed(1)
     positions = torch.tensor([0, 5, 17, 300, 511])
     q = torch.randn(5, 4, 64, generator=g)
