@@ -10,7 +10,7 @@ path's Triton kernels (engine/fused_ops.py), so the model runs its fused forward
 `load_cpu_ops(build_root)` compiles the source into `build_root/<digest>/` (the digest covers
 the source, torch's version and the flags, so an upgrade rebuilds) unless a build is there, and
 returns the ops, or None where no compiler works: the engine then runs the plain torch ops,
-slower but the same tokens. A build takes ~20 s on two cores; `python -m engine.cpu_ops` does it
+slower but the same tokens. A build takes ~8 s on two cores; `python -m engine.cpu_ops` does it
 ahead of time. Only float32 on CPU.
 """
 
@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from engine.model_store import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,16 @@ def build_digest(source: Path = SOURCE) -> str:
     h = hashlib.sha256(source.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}".encode())
     return h.hexdigest()[:16]
+
+
+def cpu_layer_ops(enabled: bool, device: torch.device, dtype: torch.dtype,
+                  kv_dtype: torch.dtype, attention: str) -> CpuLayerOps | None:
+    """The ops where they apply (CPU, float32 weights and cache, the SDPA path), built once per
+    user whatever the model cache: a build serves every model folder."""
+    if not (enabled and device.type == "cpu" and dtype == torch.float32
+            and kv_dtype == torch.float32 and attention == "sdpa"):
+        return None
+    return load_cpu_ops(default_cache_dir() / "cpu_ops")
 
 
 def load_cpu_ops(build_root: Path, source: Path = SOURCE) -> CpuLayerOps | None:
@@ -103,8 +115,6 @@ def _build(source: Path, library: Path) -> None:
 
 
 if __name__ == "__main__":
-    from engine.model_store import default_cache_dir
-
     logging.basicConfig(level=logging.INFO)
     ops = load_cpu_ops(default_cache_dir() / "cpu_ops")
     print(ops.library if ops else "not built")

@@ -21,12 +21,12 @@ import torch
 from common.model_identity import model_digest
 from common.protocol import Tenant
 from engine.config import EngineConfig, ModelConfig
-from engine.cpu_ops import CpuLayerOps, load_cpu_ops
+from engine.cpu_ops import cpu_layer_ops
 from engine.decode_pipeline import DecodePipeline
 from engine.kv_imports import KVImports
 from engine.kv_store import KVStore
 from engine.model_runner import ModelRunner
-from engine.model_store import default_cache_dir, resolve_model
+from engine.model_store import resolve_model
 from engine.output import RequestOutput, output_of
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -94,7 +94,9 @@ class LLMEngine:
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager,
                                   decode_kv_mirror_bytes=config.decode_kv_mirror_bytes,
-                                  layer_ops=self._cpu_ops())
+                                  layer_ops=cpu_layer_ops(config.cpu_ops, self.device, self.dtype,
+                                                          self.kv_cache.dtype,
+                                                          config.attention))
         self.sampler = Sampler(config.seed)
         self.structured = StructuredOutputs(self.folder / "tokenizer.json", mc.vocab_size,
                                             self.eos_token_ids)
@@ -112,14 +114,6 @@ class LLMEngine:
                                  self.pipeline.wait if self.pipeline is not None else lambda: None)
 
     # ---- requests -------------------------------------------------------------------------
-
-    def _cpu_ops(self) -> CpuLayerOps | None:
-        """The fused C++ layer ops where they apply: CPU, float32 weights and cache, SDPA."""
-        c = self.config
-        if not (c.cpu_ops and self.device.type == "cpu" and self.dtype == torch.float32
-                and self.kv_cache.dtype == torch.float32 and c.attention == "sdpa"):
-            return None
-        return load_cpu_ops(default_cache_dir() / "cpu_ops")  # per user, whatever the model cache
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None, tenant: Tenant | None = None) -> Sequence:

@@ -32,7 +32,8 @@ class ModelRunner:
         decode_kv_mirror_bytes: int = 0,
         layer_ops: object | None = None,
     ) -> None:
-        """`layer_ops`: the SDPA path's fused layer ops (engine/cpu_ops.py), or None."""
+        """`layer_ops`: the SDPA path's fused layer ops (engine/cpu_ops.py), or None; the Triton
+        path uses its own (engine/fused_ops.py)."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; "
                              f"known: {', '.join(ATTENTION_BACKENDS)}")
@@ -41,7 +42,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention
-        self.layer_ops = layer_ops if attention == "sdpa" else None
+        self.layer_ops = layer_ops
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enabled
